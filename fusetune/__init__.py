@@ -1,0 +1,40 @@
+"""fusetune: fused Triton kernels for LLM inference, launched with configs tuned offline.
+
+    y = fusetune.rmsnorm(x, weight)          # config looked up for this GPU, shape and dtype
+    fusetune.load_tables("tables.yaml")      # tables from `fusetune export` (or FUSETUNE_TABLES)
+    fusetune.lookup("rmsnorm", {"dim": 4096}, "float16", rows=16)
+
+Importing fusetune loads the kernels lazily and never imports optuna or sqlalchemy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["FusetuneWarning", "TableError", "load_tables", "lookup", "rmsnorm"]
+
+_LAZY = {
+    "rmsnorm": ("fusetune.kernels.rmsnorm", "rmsnorm"),
+    "load_tables": ("fusetune.tables", "load_tables"),
+    "lookup": ("fusetune.tables", "lookup"),
+    "TableError": ("fusetune.tables", "TableError"),
+    "FusetuneWarning": ("fusetune.tables", "FusetuneWarning"),
+}
+
+if TYPE_CHECKING:
+    from fusetune.kernels.rmsnorm import rmsnorm
+    from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import fusetune` (and the CLI) can set TRITON_INTERPRET before Triton loads.
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fusetune' has no attribute {name!r}")

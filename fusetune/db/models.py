@@ -1,0 +1,98 @@
+"""SQLAlchemy 2.0 models of fusetune's tables. Optuna keeps its own tables in the same database."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class PointRow(Base):
+    """A tuning point, keyed also by what makes results stale (kernel source, Triton, torch)."""
+
+    __tablename__ = "ft_points"
+    __table_args__ = (
+        UniqueConstraint("gpu", "kernel", "dims", "batch", "seq", "dtype", "weights", "backend",
+                         "kernel_hash", "triton_version", "torch_version", name="uq_ft_point"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    gpu: Mapped[str] = mapped_column(String(64))
+    kernel: Mapped[str] = mapped_column(String(64))
+    dims: Mapped[str] = mapped_column(String(255))  # sorted JSON, e.g. {"dim":4096}
+    batch: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)
+    dtype: Mapped[str] = mapped_column(String(16))
+    weights: Mapped[str] = mapped_column(String(32), default="")
+    backend: Mapped[str] = mapped_column(String(16))
+    kernel_hash: Mapped[str] = mapped_column(String(32))
+    triton_version: Mapped[str] = mapped_column(String(32))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    study_name: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    results: Mapped[list[ResultRow]] = relationship(back_populates="point")
+
+
+class ResultRow(Base):
+    """One evaluated config at one point: its status, reason and timings."""
+
+    __tablename__ = "ft_results"
+    __table_args__ = (UniqueConstraint("point_id", "config_key", name="uq_ft_result"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    point_id: Mapped[int] = mapped_column(ForeignKey("ft_points.id", ondelete="CASCADE"),
+                                          index=True)
+    config_key: Mapped[str] = mapped_column(String(512))
+    config: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(32))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    time_us: Mapped[float | None] = mapped_column(Float, nullable=True)
+    p20_us: Mapped[float | None] = mapped_column(Float, nullable=True)
+    p80_us: Mapped[float | None] = mapped_column(Float, nullable=True)
+    rel_err: Mapped[float | None] = mapped_column(Float, nullable=True)
+    compile_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    trial_number: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    point: Mapped[PointRow] = relationship(back_populates="results")
+
+
+class WinnerRow(Base):
+    """The chosen config of a point, re-timed beside the default heuristic's config."""
+
+    __tablename__ = "ft_winners"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    point_id: Mapped[int] = mapped_column(ForeignKey("ft_points.id", ondelete="CASCADE"),
+                                          unique=True)
+    config: Mapped[dict] = mapped_column(JSON)
+    time_us: Mapped[float] = mapped_column(Float)
+    default_config: Mapped[dict] = mapped_column(JSON)
+    default_us: Mapped[float | None] = mapped_column(Float, nullable=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    flops: Mapped[int] = mapped_column(BigInteger)
+    n_evaluated: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow,
+                                                 onupdate=utcnow)
+
+    point: Mapped[PointRow] = relationship()

@@ -1,0 +1,156 @@
+"""Engine and sessions; recording results and winners; the queries export and show need."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import create_engine, event, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from fusetune.db.models import Base, PointRow, ResultRow, WinnerRow
+
+DEFAULT_DB = "sqlite:///fusetune.db"
+
+
+@dataclass(frozen=True)
+class PointKey:
+    """Everything that identifies a stored point (see ft_points' unique constraint)."""
+
+    gpu: str
+    kernel: str
+    dims: Mapping[str, int]
+    batch: int
+    seq: int
+    dtype: str
+    weights: str
+    backend: str
+    kernel_hash: str
+    triton_version: str
+    torch_version: str
+
+    @property
+    def dims_json(self) -> str:
+        return json.dumps(dict(sorted(self.dims.items())), separators=(",", ":"))
+
+    @property
+    def study_name(self) -> str:
+        dims = ",".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
+        w = f"/w={self.weights}" if self.weights else ""
+        return (f"fusetune/{self.gpu}/{self.kernel}/{dims}/b={self.batch}/s={self.seq}/"
+                f"{self.dtype}{w}/{self.backend}/k={self.kernel_hash}/"
+                f"triton={self.triton_version}/torch={self.torch_version}")
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url`; SQLite gets WAL and a busy timeout so several writers can wait."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"timeout": 60})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=60000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+class Store:
+    """fusetune's tables in the database at `url` (created if missing)."""
+
+    def __init__(self, url: str = DEFAULT_DB) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        Base.metadata.create_all(self.engine)
+        self._session = sessionmaker(self.engine, expire_on_commit=False)
+
+    def session(self) -> Session:
+        return self._session()
+
+    def point_id(self, key: PointKey) -> int:
+        """Id of the point row for `key`, created if missing (safe against a concurrent insert)."""
+        cols = dict(gpu=key.gpu, kernel=key.kernel, dims=key.dims_json, batch=key.batch,
+                    seq=key.seq, dtype=key.dtype, weights=key.weights, backend=key.backend,
+                    kernel_hash=key.kernel_hash, triton_version=key.triton_version,
+                    torch_version=key.torch_version)
+        for _ in range(2):
+            with self.session() as s:
+                found = s.scalar(select(PointRow.id).filter_by(**cols))
+                if found is not None:
+                    return found
+                row = PointRow(study_name=key.study_name, **cols)
+                s.add(row)
+                try:
+                    s.commit()
+                    return row.id
+                except IntegrityError:  # another process inserted it first: read theirs
+                    s.rollback()
+        raise AssertionError("point row neither found nor inserted")
+
+    def results(self, point_id: int) -> dict[str, ResultRow]:
+        """Stored results of a point by config key."""
+        with self.session() as s:
+            rows = s.scalars(select(ResultRow).where(ResultRow.point_id == point_id)).all()
+            return {r.config_key: r for r in rows}
+
+    def record(self, point_id: int, config_key: str, config: Mapping[str, int], status: str,
+               reason: str = "", *, time_us: float | None = None, p20_us: float | None = None,
+               p80_us: float | None = None, rel_err: float | None = None,
+               compile_s: float | None = None, trial_number: int | None = None) -> ResultRow:
+        """Stores one result; if that config already has one, keeps and returns the stored one."""
+        row = ResultRow(point_id=point_id, config_key=config_key, config=dict(config),
+                        status=status, reason=reason, time_us=time_us, p20_us=p20_us,
+                        p80_us=p80_us, rel_err=rel_err, compile_s=compile_s,
+                        trial_number=trial_number)
+        with self.session() as s:
+            s.add(row)
+            try:
+                s.commit()
+                return row
+            except IntegrityError:
+                s.rollback()
+                existing = s.scalar(select(ResultRow).filter_by(point_id=point_id,
+                                                                config_key=config_key))
+                assert existing is not None
+                return existing
+
+    def set_winner(self, point_id: int, config: Mapping[str, int], time_us: float,
+                   default_config: Mapping[str, int], default_us: float | None, nbytes: int,
+                   flops: int, n_evaluated: int) -> None:
+        with self.session() as s:
+            row = s.scalar(select(WinnerRow).where(WinnerRow.point_id == point_id))
+            if row is None:
+                row = WinnerRow(point_id=point_id)
+                s.add(row)
+            row.config, row.time_us = dict(config), time_us
+            row.default_config, row.default_us = dict(default_config), default_us
+            row.bytes, row.flops, row.n_evaluated = nbytes, flops, n_evaluated
+            s.commit()
+
+    def winners(self, gpu: str | None = None, kernel: str | None = None
+                ) -> list[tuple[PointRow, WinnerRow]]:
+        """(point, winner) pairs, newest first, optionally for one GPU and/or kernel."""
+        q = select(PointRow, WinnerRow).join(WinnerRow, WinnerRow.point_id == PointRow.id)
+        if gpu is not None:
+            q = q.where(PointRow.gpu == gpu)
+        if kernel is not None:
+            q = q.where(PointRow.kernel == kernel)
+        q = q.order_by(WinnerRow.updated_at.desc())
+        with self.session() as s:
+            return [(p, w) for p, w in s.execute(q).all()]
+
+    def points(self) -> list[PointRow]:
+        with self.session() as s:
+            return list(s.scalars(select(PointRow).order_by(PointRow.id)).all())
+
+    def status_counts(self, point_id: int) -> Counter[str]:
+        return Counter(r.status for r in self.results(point_id).values())

@@ -1,0 +1,438 @@
+"""Catalogue of supported NVIDIA GPUs, name resolution and visible-device discovery.
+
+Only the standard library is imported at module level; ``torch`` and ``triton`` are
+imported lazily inside the functions that talk to the hardware.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "CATALOGUE",
+    "INTERPRETER",
+    "GpuNotFoundError",
+    "GpuSpec",
+    "UnknownGpuError",
+    "VisibleGpu",
+    "current_gpu",
+    "format_catalogue",
+    "match_device_name",
+    "resolve",
+    "select_device",
+    "spec_from_device",
+    "visible_gpus",
+]
+
+_KIB = 1024
+# Static shared memory limit without opt-in; used when the opt-in value cannot be read.
+_DEFAULT_SMEM_PER_BLOCK = 48 * _KIB
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Hardware limits and datasheet performance of one GPU model."""
+
+    name: str
+    display: str
+    aliases: tuple[str, ...]
+    device_names: tuple[str, ...]
+    compute_capability: tuple[int, int]
+    sms: int
+    smem_per_block: int
+    smem_per_sm: int
+    regs_per_block: int
+    regs_per_thread: int
+    max_threads_per_block: int
+    memory_gb: float | None
+    bandwidth_gbs: float | None
+    peak_fp16_tflops: float | None
+    peak_bf16_tflops: float | None
+    known: bool = True
+
+
+@dataclass(frozen=True)
+class VisibleGpu:
+    """A CUDA device visible to this process and its spec."""
+
+    index: int
+    torch_name: str
+    spec: GpuSpec
+
+
+class UnknownGpuError(ValueError):
+    """Raised when a GPU name cannot be resolved."""
+
+
+class GpuNotFoundError(RuntimeError):
+    """Raised when the requested GPU is not among the visible CUDA devices."""
+
+
+# Shared-memory sizes (bytes) from the CUDA C++ Programming Guide, "Technical
+# Specifications per Compute Capability" (opt-in max per block / per SM).
+_SMEM_SM86_BLOCK, _SMEM_SM86_SM = 99 * _KIB, 100 * _KIB  # sm_86, sm_89
+_SMEM_SM80_BLOCK, _SMEM_SM80_SM = 163 * _KIB, 164 * _KIB  # sm_80
+_SMEM_SM90_BLOCK, _SMEM_SM90_SM = 227 * _KIB, 228 * _KIB  # sm_90
+
+_COMMON = {"regs_per_block": 65536, "regs_per_thread": 255, "max_threads_per_block": 1024}
+
+# Peak numbers are dense tensor-core FP16/BF16 with FP32 accumulate (no sparsity),
+# from the NVIDIA architecture whitepapers / product datasheets.
+CATALOGUE: tuple[GpuSpec, ...] = (
+    GpuSpec(
+        name="rtx-3090",
+        display="NVIDIA GeForce RTX 3090",
+        aliases=("3090", "rtx3090", "geforce-rtx-3090"),
+        device_names=("NVIDIA GeForce RTX 3090",),
+        compute_capability=(8, 6),
+        sms=82,
+        smem_per_block=_SMEM_SM86_BLOCK,
+        smem_per_sm=_SMEM_SM86_SM,
+        memory_gb=24.0,
+        bandwidth_gbs=936.0,
+        peak_fp16_tflops=71.0,
+        peak_bf16_tflops=71.0,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="rtx-4090",
+        display="NVIDIA GeForce RTX 4090",
+        aliases=("4090", "rtx4090", "geforce-rtx-4090"),
+        device_names=("NVIDIA GeForce RTX 4090",),
+        compute_capability=(8, 9),
+        sms=128,
+        smem_per_block=_SMEM_SM86_BLOCK,
+        smem_per_sm=_SMEM_SM86_SM,
+        memory_gb=24.0,
+        bandwidth_gbs=1008.0,
+        peak_fp16_tflops=165.2,
+        peak_bf16_tflops=165.2,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="a100-40gb",
+        display="NVIDIA A100 40GB",
+        aliases=("a100-40g", "a100-sxm4-40gb", "a100-pcie-40gb"),
+        device_names=("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"),
+        compute_capability=(8, 0),
+        sms=108,
+        smem_per_block=_SMEM_SM80_BLOCK,
+        smem_per_sm=_SMEM_SM80_SM,
+        memory_gb=40.0,
+        bandwidth_gbs=1555.0,
+        peak_fp16_tflops=312.0,
+        peak_bf16_tflops=312.0,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="a100-80gb",
+        display="NVIDIA A100 80GB",
+        aliases=("a100", "a100-80g", "a100-sxm4-80gb", "a100-pcie-80gb"),
+        device_names=("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"),
+        compute_capability=(8, 0),
+        sms=108,
+        smem_per_block=_SMEM_SM80_BLOCK,
+        smem_per_sm=_SMEM_SM80_SM,
+        memory_gb=80.0,
+        bandwidth_gbs=2039.0,  # SXM4; the PCIe card is rated 1935 GB/s
+        peak_fp16_tflops=312.0,
+        peak_bf16_tflops=312.0,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="l4",
+        display="NVIDIA L4",
+        aliases=("nvidia-l4",),
+        device_names=("NVIDIA L4",),
+        compute_capability=(8, 9),
+        sms=58,
+        smem_per_block=_SMEM_SM86_BLOCK,
+        smem_per_sm=_SMEM_SM86_SM,
+        memory_gb=24.0,
+        bandwidth_gbs=300.0,
+        peak_fp16_tflops=121.0,
+        peak_bf16_tflops=121.0,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="h100-sxm",
+        display="NVIDIA H100 SXM5 80GB",
+        aliases=("h100", "h100-sxm5", "h100-80gb-hbm3"),
+        device_names=("NVIDIA H100 80GB HBM3",),
+        compute_capability=(9, 0),
+        sms=132,
+        smem_per_block=_SMEM_SM90_BLOCK,
+        smem_per_sm=_SMEM_SM90_SM,
+        memory_gb=80.0,
+        bandwidth_gbs=3350.0,
+        peak_fp16_tflops=989.0,
+        peak_bf16_tflops=989.0,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="h100-pcie",
+        display="NVIDIA H100 PCIe 80GB",
+        aliases=("h100-pcie-80gb",),
+        device_names=("NVIDIA H100 PCIe",),
+        compute_capability=(9, 0),
+        sms=114,
+        smem_per_block=_SMEM_SM90_BLOCK,
+        smem_per_sm=_SMEM_SM90_SM,
+        memory_gb=80.0,
+        bandwidth_gbs=2000.0,
+        peak_fp16_tflops=756.0,
+        peak_bf16_tflops=756.0,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="h200",
+        display="NVIDIA H200 SXM 141GB",
+        aliases=("h200-sxm", "h200-141gb"),
+        device_names=("NVIDIA H200",),
+        compute_capability=(9, 0),
+        sms=132,
+        smem_per_block=_SMEM_SM90_BLOCK,
+        smem_per_sm=_SMEM_SM90_SM,
+        memory_gb=141.0,
+        bandwidth_gbs=4800.0,
+        peak_fp16_tflops=989.0,
+        peak_bf16_tflops=989.0,
+        **_COMMON,
+    ),
+)
+
+INTERPRETER = GpuSpec(
+    name="interpreter",
+    display="Triton CPU interpreter",
+    aliases=("cpu",),
+    device_names=(),
+    compute_capability=(0, 0),
+    sms=1,
+    smem_per_block=_SMEM_SM90_BLOCK,
+    smem_per_sm=_SMEM_SM90_SM,
+    memory_gb=None,
+    bandwidth_gbs=None,
+    peak_fp16_tflops=None,
+    peak_bf16_tflops=None,
+    **_COMMON,
+)
+
+_BY_NAME: dict[str, GpuSpec] = {spec.name: spec for spec in CATALOGUE}
+
+
+def _key(text: str) -> str:
+    """Lookup key: lowercase with spaces, dashes, underscores (and dots) removed."""
+    return re.sub(r"[\s_\-.]+", "", text.strip().lower())
+
+
+def _build_index() -> dict[str, GpuSpec]:
+    index: dict[str, GpuSpec] = {}
+    for spec in (*CATALOGUE, INTERPRETER):
+        for label in (spec.name, *spec.aliases, *spec.device_names):
+            key = _key(label)
+            other = index.setdefault(key, spec)
+            if other is not spec:  # pragma: no cover - catalogue consistency guard
+                raise AssertionError(f"{label!r} maps to both {other.name} and {spec.name}")
+    return index
+
+
+_INDEX: dict[str, GpuSpec] = _build_index()
+
+
+def _valid_names() -> str:
+    parts = []
+    for spec in (*CATALOGUE, INTERPRETER):
+        aliases = f" ({', '.join(spec.aliases)})" if spec.aliases else ""
+        parts.append(f"{spec.name}{aliases}")
+    return "; ".join(parts)
+
+
+def resolve(name: str) -> GpuSpec:
+    """Resolve a canonical name, alias or torch device name to its spec."""
+    spec = _INDEX.get(_key(name))
+    if spec is None and name.strip():
+        spec = match_device_name(name)
+    if spec is None:
+        raise UnknownGpuError(f"unknown GPU {name!r}; valid names (aliases): {_valid_names()}")
+    return spec
+
+
+def _tokens(text: str) -> list[str]:
+    return [t for t in re.split(r"[^a-z0-9]+", text.lower()) if t]
+
+
+# Tokens that mark a different product sharing a model number (e.g. "RTX 3090 Ti",
+# "RTX 4090 D", "RTX 4090 Laptop GPU", "L40S").
+_VARIANT_TOKENS = frozenset({"ti", "super", "d", "laptop", "mobile", "maxq", "max", "q"})
+
+
+def _fallback(tokens: list[str]) -> GpuSpec | None:
+    toks = set(tokens)
+    if "h200" in toks:  # "NVIDIA H200", "NVIDIA H200 NVL"
+        return _BY_NAME["h200"]
+    if "h100" in toks:  # "NVIDIA H100", "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"
+        return _BY_NAME["h100-pcie" if toks & {"pcie", "pci"} else "h100-sxm"]
+    if "a100" in toks or any(t.startswith("a100") for t in toks):
+        return _BY_NAME["a100-40gb" if any("40gb" in t for t in toks) else "a100-80gb"]
+    if "l4" in toks:
+        return _BY_NAME["l4"]
+    if toks & _VARIANT_TOKENS:
+        return None
+    for number in ("3090", "4090"):
+        if number in toks or f"rtx{number}" in toks:
+            return _BY_NAME[f"rtx-{number}"]
+    return None
+
+
+def match_device_name(torch_name: str) -> GpuSpec | None:
+    """Map a ``torch.cuda.get_device_name()`` string to a catalogue spec, or None."""
+    wanted = torch_name.strip().lower()
+    for spec in CATALOGUE:
+        if any(wanted == dev.lower() for dev in spec.device_names):
+            return spec
+    return _fallback(_tokens(torch_name))
+
+
+def _slugify(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _triton_max_shared_mem(index: int) -> int | None:
+    try:
+        import triton
+
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        return int(props["max_shared_mem"])
+    except Exception:  # triton missing, no driver, or an unexpected layout
+        return None
+
+
+def spec_from_device(index: int) -> GpuSpec:
+    """Build a spec (``known=False``) from the properties torch reports for device ``index``."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    torch_name = str(props.name)
+    smem_block = getattr(props, "shared_memory_per_block_optin", None)
+    if not smem_block:
+        smem_block = _triton_max_shared_mem(index) or _DEFAULT_SMEM_PER_BLOCK
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", None) or smem_block
+    regs = getattr(props, "regs_per_multiprocessor", None) or 65536
+    return GpuSpec(
+        name=_slugify(torch_name) or f"cuda-{index}",
+        display=torch_name,
+        aliases=(),
+        device_names=(torch_name,),
+        compute_capability=(int(props.major), int(props.minor)),
+        sms=int(props.multi_processor_count),
+        smem_per_block=int(smem_block),
+        smem_per_sm=int(smem_sm),
+        regs_per_block=int(regs),
+        regs_per_thread=255,
+        max_threads_per_block=1024,
+        memory_gb=round(int(props.total_memory) / 1024**3, 1),
+        bandwidth_gbs=None,
+        peak_fp16_tflops=None,
+        peak_bf16_tflops=None,
+        known=False,
+    )
+
+
+def visible_gpus() -> list[VisibleGpu]:
+    """List the CUDA devices visible to torch (empty without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        torch_name = torch.cuda.get_device_name(index)
+        spec = match_device_name(torch_name) or spec_from_device(index)
+        gpus.append(VisibleGpu(index=index, torch_name=torch_name, spec=spec))
+    return gpus
+
+
+def current_gpu(index: int = 0) -> GpuSpec:
+    """Spec of visible device ``index``; RuntimeError if no CUDA GPU is visible."""
+    gpus = visible_gpus()
+    if not gpus:
+        raise RuntimeError("no CUDA GPU is visible")
+    for gpu in gpus:
+        if gpu.index == index:
+            return gpu.spec
+    raise RuntimeError(f"CUDA device {index} is not visible (visible: {_describe(gpus)})")
+
+
+def _describe(gpus: list[VisibleGpu]) -> str:
+    return ", ".join(f"cuda:{g.index} {g.torch_name!r} ({g.spec.name})" for g in gpus)
+
+
+def select_device(name: str) -> VisibleGpu:
+    """Return the first visible GPU matching ``name``; GpuNotFoundError otherwise."""
+    gpus = visible_gpus()
+    try:
+        spec = resolve(name)
+    except UnknownGpuError:
+        # Devices outside the catalogue can be selected by their slug or torch name.
+        key = _key(name)
+        for gpu in gpus:
+            if not gpu.spec.known and key in (_key(gpu.spec.name), _key(gpu.torch_name)):
+                return gpu
+        raise
+    if spec is INTERPRETER:
+        raise GpuNotFoundError(
+            "the Triton interpreter is not a CUDA device; use --backend interpreter instead"
+        )
+    if not gpus:
+        raise GpuNotFoundError(
+            f"cannot select {spec.name}: no CUDA GPU is visible to this process; "
+            "use --dry-run or --backend interpreter to run without a GPU"
+        )
+    for gpu in gpus:
+        if gpu.spec.name == spec.name:
+            return gpu
+    raise GpuNotFoundError(
+        f"requested GPU {spec.name} ({spec.display}) is not visible; "
+        f"visible GPUs: {_describe(gpus)}"
+    )
+
+
+def _num(value: float | None, fmt: str = "g") -> str:
+    return "?" if value is None else format(value, fmt)
+
+
+def _row(spec: GpuSpec, visible: str) -> dict[str, object]:
+    major, minor = spec.compute_capability
+    return {
+        "name": spec.name,
+        "display": spec.display,
+        "aliases": ", ".join(spec.aliases),
+        "cc": f"{major}.{minor}",
+        "sms": str(spec.sms),
+        "smem_kb": _num(spec.smem_per_block / _KIB),
+        "regs": str(spec.regs_per_block),
+        "bandwidth_gbs": _num(spec.bandwidth_gbs),
+        "fp16_tflops": _num(spec.peak_fp16_tflops),
+        "bf16_tflops": _num(spec.peak_bf16_tflops),
+        "visible": visible,
+        "known": spec.known,
+    }
+
+
+def format_catalogue(visible: list[VisibleGpu]) -> list[dict[str, object]]:
+    """Display rows for the catalogue plus any visible GPU outside it.
+
+    All values are strings except ``known`` (bool); ``visible`` lists devices such as
+    ``"cuda:0"`` (comma-joined when several match) or is ``""``.
+    """
+    where: dict[str, list[str]] = {}
+    extra: dict[str, GpuSpec] = {}
+    for gpu in visible:
+        where.setdefault(gpu.spec.name, []).append(f"cuda:{gpu.index}")
+        if gpu.spec.name not in _BY_NAME:
+            extra.setdefault(gpu.spec.name, gpu.spec)
+    specs = [*CATALOGUE, *extra.values()]
+    return [_row(spec, ",".join(where.get(spec.name, []))) for spec in specs]

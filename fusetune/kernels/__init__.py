@@ -1,0 +1,17 @@
+"""The fused kernels. `REGISTRY` maps each kernel's name to its `KernelSpec`."""
+
+from __future__ import annotations
+
+from fusetune.kernels import rmsnorm as _rmsnorm
+from fusetune.kernels._spec import KernelSpec
+
+REGISTRY: dict[str, KernelSpec] = {
+    _rmsnorm.SPEC.name: _rmsnorm.SPEC,
+}
+
+
+def get_spec(name: str) -> KernelSpec:
+    """The spec of kernel `name`; ValueError naming the valid kernels."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown kernel {name!r}; valid: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]

@@ -1,0 +1,205 @@
+"""What the tuner, the tables and the runtime need from any kernel: `KernelSpec`.
+
+A kernel module builds one `KernelSpec`; the registry in `fusetune.kernels` maps names to them.
+Nothing here imports the tuner, the database or the tables: the arrows point from them to here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from fusetune.gpus import GpuSpec
+    from fusetune.models import ModelPreset
+
+Config = dict[str, int]
+Tensors = dict[str, Any]
+
+DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+class ConfigError(ValueError):
+    """A launch configuration that does not fit the kernel (unknown key, bad value)."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One tuning point: a kernel at fixed model dims, batch, sequence length and dtype.
+
+    `weights` is the weight storage format for kernels that have weights ("" means "same as the
+    activations"); it is part of every key so that FP8 weights never share entries with fp16.
+    """
+
+    kernel: str
+    dims: tuple[tuple[str, int], ...]
+    batch: int
+    seq: int
+    dtype: str
+    weights: str = ""
+
+    @staticmethod
+    def make(
+        kernel: str, dims: Mapping[str, int], batch: int, seq: int, dtype: str, weights: str = ""
+    ) -> Point:
+        return Point(kernel, tuple(sorted(dims.items())), batch, seq, dtype, weights)
+
+    @property
+    def dim(self) -> dict[str, int]:
+        return dict(self.dims)
+
+    @property
+    def rows(self) -> int:
+        """Number of token rows the kernel processes (batch × seq)."""
+        return self.batch * self.seq
+
+    @property
+    def dims_label(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.dims)
+
+    @property
+    def label(self) -> str:
+        w = f" w={self.weights}" if self.weights else ""
+        return f"{self.kernel} {self.dims_label} b={self.batch} s={self.seq} {self.dtype}{w}"
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Predicted per-program resources of a compiled config (for pruning before compiling)."""
+
+    smem_bytes: int
+    regs_per_thread: int
+    threads: int
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What any implementation must do: bytes through device memory and floating-point ops."""
+
+    bytes: int
+    flops: int
+
+    def floor_us(self, bandwidth_gbs: float | None, peak_tflops: float | None) -> float | None:
+        """Roofline floor in µs: the larger of bytes/bandwidth and flops/peak."""
+        times = []
+        if bandwidth_gbs:
+            times.append(self.bytes / (bandwidth_gbs * 1e9) * 1e6)
+        if peak_tflops and self.flops:
+            times.append(self.flops / (peak_tflops * 1e12) * 1e6)
+        return max(times) if times else None
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Everything the rest of fusetune knows about one kernel.
+
+    - `make_inputs(point, device)`: realistic random inputs (never zeros), plus scalars.
+    - `make_outputs(inputs)`: freshly allocated output tensors.
+    - `reference(inputs)`: the torch formula in float32; returns outputs by name.
+    - `launch(inputs, outputs, config)`: the Triton launch with exactly this config.
+    - `default_config(point, gpu)`: a heuristic that works everywhere.
+    - `resources(config, point)`: predicted smem / registers / threads of one program.
+    - `cost(point)`: bytes and flops of the roofline floor.
+    - `canonical(config, point)`: maps configs that compile to the same kernel onto one.
+    - `dims_from_model(preset)`: this kernel's dims for a model preset.
+    """
+
+    name: str
+    description: str
+    dim_names: tuple[str, ...]
+    config_keys: tuple[str, ...]
+    pow2_keys: tuple[str, ...]
+    make_inputs: Callable[[Point, torch.device | str], Tensors]
+    make_outputs: Callable[[Tensors], Tensors]
+    reference: Callable[[Tensors], Tensors]
+    launch: Callable[[Tensors, Tensors, Config], None]
+    default_config: Callable[[Point, GpuSpec], Config]
+    resources: Callable[[Config, Point], Resources]
+    cost: Callable[[Point], Cost]
+    canonical: Callable[[Config, Point], Config]
+    dims_from_model: Callable[[ModelPreset], dict[str, int]]
+    # ‖out − ref‖ / ‖ref‖ allowed per activation dtype.
+    tolerance: Mapping[str, float] = field(
+        default_factory=lambda: {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
+    )
+    source_objects: tuple[Any, ...] = ()
+
+    @property
+    def source_hash(self) -> str:
+        """Hash of the kernel's source: results from another version of the kernel never mix."""
+        h = hashlib.sha256()
+        for obj in self.source_objects:
+            fn = getattr(obj, "fn", obj)  # a triton JITFunction keeps the Python function in .fn
+            h.update(inspect.getsource(fn).encode())
+        return h.hexdigest()[:12]
+
+    def validate_config(self, config: Mapping[str, Any], where: str = "config") -> Config:
+        """Checks a user- or table-supplied config; returns it as a plain dict of ints."""
+        if not isinstance(config, Mapping):
+            raise ConfigError(
+                f"{where}: expected a mapping of {', '.join(self.config_keys)}, "
+                f"got {type(config).__name__}"
+            )
+        missing = [k for k in self.config_keys if k not in config]
+        unknown = [k for k in config if k not in self.config_keys]
+        if missing or unknown:
+            parts = []
+            if missing:
+                parts.append(f"missing {', '.join(missing)}")
+            if unknown:
+                parts.append(f"unknown {', '.join(map(str, unknown))}")
+            raise ConfigError(
+                f"{where}: {'; '.join(parts)} (a {self.name} config has exactly "
+                f"{', '.join(self.config_keys)})"
+            )
+        out: Config = {}
+        for k in self.config_keys:
+            v = config[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{where}: {k}={v!r} must be a positive integer")
+            if k in self.pow2_keys and v & (v - 1):
+                raise ConfigError(f"{where}: {k}={v} must be a power of two")
+            out[k] = v
+        return out
+
+
+def check_fits(res: Resources, gpu: GpuSpec) -> str | None:
+    """Why a config cannot run well on `gpu` (None if it fits), from the predicted resources.
+
+    The reason starts with the limit's name (threads, shared-memory, registers) for counting.
+    """
+    if res.threads > gpu.max_threads_per_block:
+        return f"threads: {res.threads} > {gpu.max_threads_per_block} per block"
+    if res.smem_bytes > gpu.smem_per_block:
+        return f"shared-memory: {res.smem_bytes} B > {gpu.smem_per_block} B per block"
+    if res.regs_per_thread > gpu.regs_per_thread:
+        return (f"registers: ~{res.regs_per_thread} per thread > {gpu.regs_per_thread} "
+                "(would spill to local memory)")
+    if res.regs_per_thread * res.threads > gpu.regs_per_block:
+        return f"registers: ~{res.regs_per_thread}×{res.threads} > {gpu.regs_per_block} per block"
+    return None
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise TypeError(f"unsupported dtype {dtype}; valid: {', '.join(DTYPES)}")
+    return name

@@ -1,0 +1,237 @@
+"""RMSNorm: y = x · rsqrt(mean(x²) + eps) · weight, computed in float32.
+
+Tunables (all data, see search_spaces/rmsnorm.yaml): BLOCK_D (columns a program holds at once;
+when it is smaller than D the kernel loops over the row twice), ROWS (rows per program),
+num_warps, num_stages (software pipelining depth of the loads in the looping variant).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from fusetune.gpus import GpuSpec
+from fusetune.kernels._spec import (
+    DTYPE_BYTES,
+    Config,
+    Cost,
+    KernelSpec,
+    Point,
+    Resources,
+    Tensors,
+    dtype_name,
+    next_pow2,
+    torch_dtype,
+)
+from fusetune.models import ModelPreset
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    X,  # *[M, D] input, row stride stride_xm, unit column stride
+    W,  # *[D] weight
+    Y,  # *[M, D] output, row stride stride_ym, unit column stride
+    M,  # rows
+    D,  # columns (the normalized width)
+    stride_xm,
+    stride_ym,
+    eps,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,  # BLOCK_D >= D: the whole row fits, no loop
+):
+    # Program `pid` owns rows [pid*ROWS, pid*ROWS + ROWS); rows past M are masked off.
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
+    # Row offsets in int64: M * stride can pass 2**31 elements for long prefills.
+    x_rows = X + rows[:, None].to(tl.int64) * stride_xm  # [ROWS, 1] pointers to row starts
+    y_rows = Y + rows[:, None].to(tl.int64) * stride_ym
+
+    if SINGLE_PASS:
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < D  # BLOCK_D is a power of two >= D: mask the tail columns
+        mask = row_ok[:, None] & col_ok[None, :]
+        # Masked lanes read 0, so they add nothing to the sum of squares. x is read once
+        # (evict it first from L2); every program reads the weight (keep it in L2).
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [ROWS], float32
+        y = x * rstd[:, None] * w[None, :]
+        # Cast back to the output's element type only at the store.
+        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Pass 1: accumulate x² elementwise in float32, reduce once after the loop.
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        for off in range(0, D, BLOCK_D):
+            cols = off + tl.arange(0, BLOCK_D)
+            mask = row_ok[:, None] & (cols[None, :] < D)
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(acc, axis=1) / D + eps)
+        # Pass 2: re-read the row (mostly from L2), scale, store.
+        for off in range(0, D, BLOCK_D):
+            cols = off + tl.arange(0, BLOCK_D)
+            col_ok = cols < D
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            w = tl.load(W + cols, mask=col_ok, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            y = x * rstd[:, None] * w[None, :]
+            tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+def _launch_2d(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, eps: float, config: Config
+               ) -> None:
+    """Launches on 2-D views x, y of shape [M, D] (unit column stride) with exactly `config`."""
+    m, d = x.shape
+    if m == 0:
+        return
+    block_d, rows = config["BLOCK_D"], config["ROWS"]
+    grid = (triton.cdiv(m, rows),)
+    _rmsnorm_kernel[grid](
+        x, weight, y, m, d, x.stride(0), y.stride(0), eps,
+        BLOCK_D=block_d, ROWS=rows, SINGLE_PASS=block_d >= d,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
+def _as_rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    """[..., D] -> [M, D] with unit column stride, without copying when strides allow it."""
+    try:
+        t2 = t.view(-1, d)
+    except RuntimeError:  # leading dims not collapsible into one stride
+        t2 = t.reshape(-1, d)
+    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
+
+
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    config: Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dimension of `x` (any leading shape), in float32, output in x.dtype.
+
+    The launch configuration comes from the lookup tables for this GPU and shape, unless
+    `config` (BLOCK_D, ROWS, num_warps, num_stages) is given.
+    """
+    if x.ndim < 1:
+        raise ValueError("rmsnorm: x must have at least one dimension")
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"rmsnorm: weight has shape {tuple(weight.shape)}, expected ({d},)")
+    if weight.device != x.device:
+        raise ValueError(f"rmsnorm: weight is on {weight.device}, x on {x.device}")
+    dtype = dtype_name(x.dtype)
+    dtype_name(weight.dtype)  # raises for weight dtypes the kernel cannot read
+    x2 = _as_rows(x, d)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, d)
+    m = x2.shape[0]
+    if config is None:
+        from fusetune.tables import lookup
+
+        cfg = lookup("rmsnorm", {"dim": d}, dtype, rows=m, device=x.device)
+    else:
+        cfg = SPEC.validate_config(config)
+    _launch_2d(x2, weight.contiguous(), y2, float(eps), cfg)
+    return y
+
+
+# ---- what the tuner needs -------------------------------------------------------------------
+
+
+def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
+    d = point.dim["dim"]
+    dtype = torch_dtype(point.dtype)
+    x = torch.randn(point.batch, point.seq, d, device=device, dtype=torch.float32)
+    weight = 1.0 + 0.1 * torch.randn(d, device=device, dtype=torch.float32)
+    return {"x": x.to(dtype), "weight": weight.to(dtype), "eps": 1e-6}
+
+
+def _make_outputs(inputs: Tensors) -> Tensors:
+    return {"y": torch.empty_like(inputs["x"])}
+
+
+def _reference(inputs: Tensors) -> Tensors:
+    x = inputs["x"].float()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + inputs["eps"]) * inputs["weight"].float()
+    return {"y": y}
+
+
+def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
+    x, y = inputs["x"], outputs["y"]
+    d = x.shape[-1]
+    _launch_2d(x.view(-1, d), inputs["weight"], y.view(-1, d), inputs["eps"], config)
+
+
+def _default_config(point: Point, gpu: GpuSpec) -> Config:
+    # One row per program, the whole row in registers up to 16K columns (looping beyond),
+    # more warps for wider rows: the widely used heuristic of hand-written norm kernels.
+    block_d = min(next_pow2(point.dim["dim"]), 16384)
+    num_warps = 4 if block_d < 2048 else 8 if block_d < 8192 else 16
+    return {"BLOCK_D": block_d, "ROWS": 1, "num_warps": num_warps, "num_stages": 1}
+
+
+def _canonical(config: Config, point: Point) -> Config:
+    # Configs that compile to the same kernel for this point collapse onto one:
+    # BLOCK_D past the padded row width and ROWS past the row count only add masked lanes,
+    # and num_stages means nothing without a loop to pipeline.
+    d = point.dim["dim"]
+    c = dict(config)
+    c["BLOCK_D"] = min(c["BLOCK_D"], next_pow2(d))
+    c["ROWS"] = min(c["ROWS"], next_pow2(point.rows))
+    if c["BLOCK_D"] >= d:
+        c["num_stages"] = 1
+    return c
+
+
+def _resources(config: Config, point: Point) -> Resources:
+    elt = DTYPE_BYTES[point.dtype]
+    threads = 32 * config["num_warps"]
+    block_d, rows, stages = config["BLOCK_D"], config["ROWS"], config["num_stages"]
+    tile = rows * block_d
+    per_thread = -(-tile // threads)
+    # float32 tile (x, or acc + x in the loop) plus addresses and bookkeeping.
+    regs = 2 * per_thread + 32
+    # Cross-warp reduction scratch, plus the pipelined x and weight tiles when looping.
+    smem = rows * config["num_warps"] * 4
+    if block_d < point.dim["dim"] and stages > 1:
+        smem += (stages - 1) * (rows + 1) * block_d * elt
+    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads)
+
+
+def _cost(point: Point) -> Cost:
+    m, d = point.rows, point.dim["dim"]
+    elt = DTYPE_BYTES[point.dtype]
+    return Cost(bytes=2 * m * d * elt + d * elt, flops=4 * m * d)
+
+
+def _dims_from_model(model: ModelPreset) -> dict[str, int]:
+    return {"dim": model.dim}
+
+
+SPEC = KernelSpec(
+    name="rmsnorm",
+    description="RMSNorm over the last dimension (float32 math), any leading shape",
+    dim_names=("dim",),
+    config_keys=("BLOCK_D", "ROWS", "num_warps", "num_stages"),
+    pow2_keys=("BLOCK_D", "ROWS", "num_warps"),
+    make_inputs=_make_inputs,
+    make_outputs=_make_outputs,
+    reference=_reference,
+    launch=_launch,
+    default_config=_default_config,
+    resources=_resources,
+    cost=_cost,
+    canonical=_canonical,
+    dims_from_model=_dims_from_model,
+    source_objects=(_rmsnorm_kernel, _launch_2d),
+)

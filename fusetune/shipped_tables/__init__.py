@@ -1,0 +1,1 @@
+"""Lookup tables shipped with fusetune (YAML, same format as `fusetune export`)."""

@@ -1,0 +1,320 @@
+"""Lookup tables: load and validate YAML, find the config for (GPU, kernel, shape, dtype).
+
+Sources, in order: the tables given to `load_tables(path)` (or named by the environment variable
+FUSETUNE_TABLES, a path or several joined by the OS path separator), then the tables shipped
+inside the package. Lookup: the exact row count, else the nearest tuned row count (in log2)
+within the tuned range, else the kernel's default heuristic with a one-time warning.
+
+This is the runtime path: it never imports optuna or sqlalchemy.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fusetune.kernels._spec import DTYPES, Config, ConfigError, Point
+
+SCHEMA_VERSION = 1
+ENV_VAR = "FUSETUNE_TABLES"
+ENTRY_FIELDS = {"dims": True, "dtype": True, "batch": True, "seq": True, "config": True,
+                "weights": False, "time_us": False, "default_us": False, "triton": False,
+                "torch": False, "backend": False}
+
+
+class TableError(ValueError):
+    """A lookup table that is malformed; the message names the file and the entry."""
+
+
+class FusetuneWarning(UserWarning):
+    """A kernel ran with the default heuristic because no tuned config covers its shape."""
+
+
+# (gpu, kernel, dims, dtype, weights) -> [(rows, config)], sorted by rows
+GroupKey = tuple[str, str, tuple[tuple[str, int], ...], str, str]
+
+
+@dataclass
+class Tables:
+    groups: dict[GroupKey, list[tuple[int, Config]]] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
+
+    def merge(self, other: Tables) -> None:
+        for k, rows in other.groups.items():
+            self.groups.setdefault(k, []).extend(rows)
+            self.groups[k].sort(key=lambda r: r[0])
+        self.sources += other.sources
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.groups.values())
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry(raw: Any, where: str, spec: Any, gpu: str) -> tuple[GroupKey, int, Config]:
+    if not isinstance(raw, Mapping):
+        raise TableError(f"{where}: an entry must be a mapping, got {type(raw).__name__}")
+    missing = [k for k, required in ENTRY_FIELDS.items() if required and k not in raw]
+    if missing:
+        raise TableError(f"{where}: missing field {', '.join(missing)}")
+    unknown = [str(k) for k in raw if k not in ENTRY_FIELDS]
+    if unknown:
+        raise TableError(f"{where}: unknown field {', '.join(unknown)}; valid: "
+                         f"{', '.join(ENTRY_FIELDS)}")
+    dims = raw["dims"]
+    if not isinstance(dims, Mapping) or sorted(dims) != sorted(spec.dim_names):
+        raise TableError(f"{where}: dims must be a mapping of {', '.join(spec.dim_names)}, "
+                         f"got {dims!r}")
+    for k, v in dims.items():
+        if not _is_int(v) or v < 1:
+            raise TableError(f"{where}: dims.{k}={v!r} must be a positive integer")
+    if raw["dtype"] not in DTYPES:
+        raise TableError(f"{where}: dtype {raw['dtype']!r} is not one of {', '.join(DTYPES)}")
+    for k in ("batch", "seq"):
+        if not _is_int(raw[k]) or raw[k] < 1:
+            raise TableError(f"{where}: {k}={raw[k]!r} must be a positive integer")
+    weights = raw.get("weights", "") or ""
+    if not isinstance(weights, str):
+        raise TableError(f"{where}: weights={weights!r} must be a string")
+    for k in ("time_us", "default_us"):
+        v = raw.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise TableError(f"{where}: {k}={v!r} must be a number")
+    try:
+        config = spec.validate_config(raw["config"], where=f"{where}: config")
+    except ConfigError as e:
+        raise TableError(str(e)) from None
+    key: GroupKey = (gpu, spec.name, tuple(sorted(dims.items())), raw["dtype"], weights)
+    return key, raw["batch"] * raw["seq"], config
+
+
+def _canonical_gpu(name: Any) -> str:
+    """A catalogue GPU's canonical name for any of its names ("h100" -> "h100-sxm"); other
+    names (GPUs outside the catalogue, keyed by their device-name slug) stay as written."""
+    from fusetune import gpus
+
+    try:
+        return gpus.resolve(str(name)).name
+    except gpus.UnknownGpuError:
+        return str(name)
+
+
+def parse_tables(text: str, source: str) -> Tables:
+    """Validates the YAML text of a table file; TableError names the bad entry."""
+    from fusetune.kernels import REGISTRY
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:  # includes tags that try to build Python objects
+        raise TableError(f"{source}: rejected, not plain YAML data: {' '.join(str(e).split())}"
+                         ) from None
+    if not isinstance(data, Mapping):
+        raise TableError(f"{source}: expected a mapping with schema_version, provenance, gpus")
+    for k in ("schema_version", "provenance", "gpus"):
+        if k not in data:
+            raise TableError(f"{source}: missing top-level field {k!r}")
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise TableError(f"{source}: schema_version {data['schema_version']!r} is not supported "
+                         f"(this fusetune reads {SCHEMA_VERSION})")
+    if not isinstance(data["provenance"], Mapping):
+        raise TableError(f"{source}: provenance must be a mapping")
+    gpus = data["gpus"]
+    if not isinstance(gpus, Mapping):
+        raise TableError(f"{source}: gpus must map GPU names to kernels")
+    tables = Tables(sources=[source])
+    for gpu_key, kernels in gpus.items():
+        gpu = _canonical_gpu(gpu_key)
+        if not isinstance(kernels, Mapping):
+            raise TableError(f"{source}: gpus.{gpu_key} must map kernel names to entry lists")
+        for kernel, entries in kernels.items():
+            if kernel not in REGISTRY:
+                raise TableError(f"{source}: gpus.{gpu_key}.{kernel}: unknown kernel {kernel!r}; "
+                                 f"valid: {', '.join(sorted(REGISTRY))}")
+            if not isinstance(entries, list):
+                raise TableError(f"{source}: gpus.{gpu_key}.{kernel} must be a list of entries")
+            for i, raw in enumerate(entries):
+                try:
+                    key, rows, config = _entry(raw, f"gpus.{gpu_key}.{kernel}[{i}]",
+                                               REGISTRY[kernel], str(gpu))
+                except TableError as e:
+                    raise TableError(f"{source}: {e}") from None
+                tables.groups.setdefault(key, []).append((rows, config))
+    for rows in tables.groups.values():
+        rows.sort(key=lambda r: r[0])
+    return tables
+
+
+def read_tables(path: str | Path) -> Tables:
+    p = Path(path)
+    if not p.is_file():
+        raise TableError(f"table file {str(p)!r} does not exist")
+    return parse_tables(p.read_text(), str(p))
+
+
+# ---- runtime state -----------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_user: Tables | None = None
+_user_from_env = False
+_shipped: Tables | None = None
+_cache: dict[tuple[Any, ...], Config] = {}
+_warned: set[tuple[Any, ...]] = set()
+_gpu_names: dict[tuple[str, int], Any] = {}
+
+
+def load_tables(*paths: str | Path) -> Tables:
+    """Uses these table files (validated) before the shipped tables, replacing earlier ones."""
+    global _user, _user_from_env
+    tables = Tables()
+    for p in paths:
+        tables.merge(read_tables(p))
+    with _lock:
+        _user, _user_from_env = tables, False
+        _cache.clear()
+        _warned.clear()
+    return tables
+
+
+def _shipped_tables() -> Tables:
+    global _shipped
+    if _shipped is None:
+        t = Tables()
+        folder = resources.files("fusetune.shipped_tables")
+        for f in sorted(folder.iterdir(), key=lambda f: f.name):
+            if f.name.endswith(".yaml"):
+                t.merge(parse_tables(f.read_text(), f"fusetune/shipped_tables/{f.name}"))
+        _shipped = t
+    return _shipped
+
+
+def _user_tables() -> Tables | None:
+    global _user, _user_from_env
+    if _user is None and os.environ.get(ENV_VAR):
+        paths = [p for p in os.environ[ENV_VAR].split(os.pathsep) if p]
+        t = Tables()
+        for p in paths:
+            t.merge(read_tables(p))
+        _user, _user_from_env = t, True
+    return _user
+
+
+def reset() -> None:
+    """Forgets loaded tables, cached lookups and warnings (FUSETUNE_TABLES is read again)."""
+    global _user, _shipped
+    with _lock:
+        _user, _shipped = None, None
+        _cache.clear()
+        _warned.clear()
+        _gpu_names.clear()
+
+
+def gpu_for_device(device: Any = None) -> Any:
+    """The catalogue GpuSpec of a torch device (the interpreter's spec for CPU tensors)."""
+    from fusetune import gpus
+
+    if device is None:
+        import torch
+
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if not hasattr(device, "type"):  # "cuda:0", "cpu" or an int
+        import torch
+
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        return gpus.INTERPRETER
+    index = device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    spec = _gpu_names.get(("cuda", index))
+    if spec is None:
+        spec = _gpu_names[("cuda", index)] = gpus.current_gpu(index)
+    return spec
+
+
+def _nearest(rows: int, entries: list[tuple[int, Config]]) -> Config | None:
+    lo, hi = entries[0][0], entries[-1][0]
+    if not lo <= rows <= hi:
+        return None
+    target = math.log2(rows)
+    return min(entries, key=lambda e: abs(math.log2(e[0]) - target))[1]
+
+
+def _resolve(kernel: str, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
+             weights: str, gpu: Any) -> Config:
+    from fusetune.kernels import get_spec
+
+    group: GroupKey = (gpu.name, kernel, dims, dtype, weights)
+    tuned: list[tuple[int, Config]] = []
+    for tables in (_user_tables(), _shipped_tables()):
+        if tables is None:
+            continue
+        entries = tables.groups.get(group)
+        if entries:
+            found = _nearest(rows, entries)
+            if found is not None:
+                return found
+            tuned = tuned or entries
+    spec = get_spec(kernel)
+    point = Point(kernel, dims, 1, max(rows, 1), dtype, weights)
+    config = spec.canonical(spec.default_config(point, gpu), point)
+    if group not in _warned:
+        _warned.add(group)
+        what = ", ".join(f"{k}={v}" for k, v in dims)
+        have = (f"tuned rows {tuned[0][0]}..{tuned[-1][0]}, asked {rows}" if tuned
+                else "no tuned entries")
+        warnings.warn(
+            f"fusetune: no tuned config for {kernel} on {gpu.name} ({what}, {dtype}"
+            f"{', weights ' + weights if weights else ''}; {have}): using the default heuristic "
+            f"{config}. Tune it with `fusetune search --kernel {kernel} --gpu {gpu.name}` and "
+            f"load the exported table with fusetune.load_tables() or {ENV_VAR}.",
+            FusetuneWarning, stacklevel=4)
+    return config
+
+
+def cached_config(kernel: str, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
+                  weights: str = "", device: Any = None) -> Config:
+    """The launchers' fast path: returns the cached (shared, do not modify) config."""
+    gpu = gpu_for_device(device)
+    key = (kernel, gpu.name, dims, dtype, rows, weights)
+    config = _cache.get(key)
+    if config is None:
+        with _lock:
+            config = _cache[key] = _resolve(kernel, dims, dtype, rows, weights, gpu)
+    return config
+
+
+def lookup(kernel: str, dims: Mapping[str, int], dtype: str, *, rows: int, weights: str = "",
+           gpu: str | None = None, device: Any = None) -> Config:
+    """The config a kernel launches with for this GPU and shape (a copy).
+
+    `gpu` names a catalogue GPU ("h100", "3090", "interpreter"); by default the GPU of
+    `device` (or the current CUDA device; the interpreter when there is none).
+    """
+    if rows < 0:
+        raise ValueError(f"rows={rows} must be >= 0")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    dims_t = tuple(sorted(dims.items()))
+    if gpu is not None:
+        from fusetune import gpus
+
+        spec = gpus.resolve(gpu)
+        key = (kernel, spec.name, dims_t, dtype, rows, weights)
+        with _lock:
+            config = _cache.get(key) or _cache.setdefault(
+                key, _resolve(kernel, dims_t, dtype, rows, weights, spec))
+        return dict(config)
+    return dict(cached_config(kernel, dims_t, dtype, rows, weights, device))

@@ -1,0 +1,149 @@
+"""Evaluating one config at one point: launch, check against the reference, time.
+
+Every failure becomes an `Outcome` with a status and a reason; nothing here raises for a bad
+config, except `DeviceLostError` when the GPU context is unusable after an illegal access.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fusetune.kernels._spec import Config, KernelSpec, Point
+
+# Statuses of a result; "ok" is the only one that can win.
+STATUSES = ("ok", "infeasible", "oor", "compile_error", "runtime_error", "wrong_result",
+            "timeout", "crashed")
+BACKENDS = ("cuda", "interpreter")
+
+
+class DeviceLostError(RuntimeError):
+    """The CUDA context is unusable (illegal memory access, device-side assert, ...)."""
+
+
+@dataclass
+class Outcome:
+    status: str
+    reason: str = ""
+    time_us: float | None = None  # median
+    p20_us: float | None = None
+    p80_us: float | None = None
+    rel_err: float | None = None
+    compile_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+_FATAL_MARKERS = ("illegal memory access", "illegal address", "device-side assert",
+                  "unspecified launch failure", "misaligned address", "an illegal instruction")
+
+
+def classify_exception(exc: BaseException) -> tuple[str, str]:
+    """(status, one-line reason) for an exception raised while compiling or launching."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    msg = " ".join(str(exc).split())[:500] or type(exc).__name__
+    if isinstance(exc, OutOfResources):
+        return "oor", msg
+    if isinstance(exc, CompilationError):
+        return "compile_error", msg
+    name = type(exc).__name__
+    if "PTXAS" in name.upper() or "compil" in name.lower():
+        return "compile_error", f"{name}: {msg}"
+    if any(m in msg.lower() for m in _FATAL_MARKERS):
+        return "crashed", f"{name}: {msg}"
+    return "runtime_error", f"{name}: {msg}"
+
+
+class Evaluator:
+    """Holds one point's inputs, reference and outputs; evaluates configs against them."""
+
+    def __init__(self, spec: KernelSpec, point: Point, backend: str, device: str | torch.device,
+                 seed: int = 0) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        self.spec, self.point, self.backend, self.device = spec, point, backend, device
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        self.inputs = spec.make_inputs(point, device)
+        torch.random.set_rng_state(gen_state)
+        self.reference = spec.reference(self.inputs)
+        self.outputs = spec.make_outputs(self.inputs)
+        self.tolerance = spec.tolerance[point.dtype]
+
+    def _sync(self) -> None:
+        if self.backend == "cuda":
+            torch.cuda.synchronize()
+
+    def _run(self, config: Config) -> Callable[[], None]:
+        spec, inputs, outputs = self.spec, self.inputs, self.outputs
+        return lambda: spec.launch(inputs, outputs, config)
+
+    def check(self, config: Config) -> Outcome:
+        """Compiles and runs `config` once on NaN-poisoned outputs; compares with the reference."""
+        for t in self.outputs.values():
+            t.fill_(float("nan"))  # an element the kernel fails to write stays NaN
+        t0 = time.perf_counter()
+        try:
+            self._run(config)()
+            self._sync()
+        except Exception as exc:  # every failure is a result, never a crash of the search
+            status, reason = classify_exception(exc)
+            if status == "crashed":
+                raise DeviceLostError(reason) from exc
+            return Outcome(status, reason, compile_s=time.perf_counter() - t0)
+        compile_s = time.perf_counter() - t0
+        worst = 0.0
+        for name, ref in self.reference.items():
+            out = self.outputs[name].float()
+            if not torch.isfinite(out).all():
+                bad = int((~torch.isfinite(out)).sum())
+                return Outcome("wrong_result", f"{name}: {bad} non-finite elements "
+                               "(unwritten or overflowed)", rel_err=math.inf, compile_s=compile_s)
+            err = float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref)
+                        .clamp_min(1e-30))
+            worst = max(worst, err)
+            if err > self.tolerance:
+                return Outcome("wrong_result", f"{name}: relative error {err:.2e} > "
+                               f"{self.tolerance:.1e} for {self.point.dtype}", rel_err=err,
+                               compile_s=compile_s)
+        return Outcome("ok", rel_err=worst, compile_s=compile_s)
+
+    def time(self, config: Config, rep_ms: int = 100) -> tuple[float, float, float]:
+        """(p20, p50, p80) in µs. CUDA: triton's do_bench with the L2 flushed between runs."""
+        fn = self._run(config)
+        if self.backend == "cuda":
+            from triton.testing import do_bench
+
+            q = do_bench(fn, warmup=25, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+            return q[0] * 1e3, q[1] * 1e3, q[2] * 1e3
+        # Interpreter: wall-clock of a few runs; meaningless as performance, kept for the flow.
+        samples = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+        qs = statistics.quantiles(samples, n=5, method="inclusive")
+        return qs[0], statistics.median(samples), qs[3]
+
+    def evaluate(self, config: Config) -> Outcome:
+        """check, then time if the result is right."""
+        out = self.check(config)
+        if not out.ok:
+            return out
+        try:
+            out.p20_us, out.time_us, out.p80_us = self.time(config)
+        except Exception as exc:
+            status, reason = classify_exception(exc)
+            if status == "crashed":
+                raise DeviceLostError(reason) from exc
+            return Outcome(status, reason, compile_s=out.compile_s)
+        return out

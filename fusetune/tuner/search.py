@@ -1,0 +1,150 @@
+"""A whole search: the grid of points, the backend and device, one `PointTuner` per point."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fusetune import gpus
+from fusetune.gpus import GpuSpec
+
+if TYPE_CHECKING:
+    import optuna
+
+    from fusetune.kernels._spec import Point
+
+BACKEND_CHOICES = ("auto", "cuda", "interpreter")
+# Small enough for Triton's CPU interpreter to get through a search in a minute or two.
+INTERPRETER_GRID = {"dims": {"dim": 256}, "batch": [1, 4], "seq": [1, 16], "dtype": ["float16"]}
+DEFAULT_GRID = {"model": "llama-2-7b", "batch": [1, 16, 64], "seq": [1, 512],
+                "dtype": ["float16", "bfloat16"]}
+
+
+class SearchError(RuntimeError):
+    """A search that cannot start as asked (bad flags, missing GPU); the message says why."""
+
+
+@dataclass
+class Target:
+    """Where configs are measured: the backend, the device, and the GPU whose limits apply."""
+
+    backend: str  # "cuda" | "interpreter"
+    gpu: GpuSpec
+    device: str  # "cuda:N" | "cpu"
+    notes: list[str] = field(default_factory=list)
+
+
+def choose_target(backend: str, gpu_name: str | None, dry_run: bool) -> Target:
+    """Resolves --backend/--gpu into a Target. Sets TRITON_INTERPRET for the interpreter.
+
+    Must run before the kernel modules are imported: Triton reads TRITON_INTERPRET when a
+    kernel is defined.
+    """
+    if backend not in BACKEND_CHOICES:
+        raise SearchError(f"unknown backend {backend!r}; valid: {', '.join(BACKEND_CHOICES)}")
+    if dry_run:  # needs no GPU: only the named GPU's limits
+        if gpu_name:
+            return Target("cuda", gpus.resolve(gpu_name), "none")
+        visible = gpus.visible_gpus()
+        if visible:
+            return Target("cuda", visible[0].spec, "none")
+        return Target("interpreter", gpus.INTERPRETER, "none",
+                      ["no --gpu given and no GPU visible: planning with the interpreter's limits"])
+    if backend == "auto":
+        backend = "cuda" if gpu_name or gpus.visible_gpus() else "interpreter"
+        if backend == "interpreter":
+            os.environ["TRITON_INTERPRET"] = "1"
+            return Target("interpreter", gpus.INTERPRETER, "cpu", [
+                "no CUDA GPU is visible: searching with Triton's CPU interpreter; its timings "
+                "are meaningless (use it to check the flow, not to pick configs)"])
+    if backend == "interpreter":
+        os.environ["TRITON_INTERPRET"] = "1"
+        notes = ["interpreter backend: timings are meaningless; results are stored under the "
+                 "GPU name 'interpreter'"]
+        if gpu_name and gpus.resolve(gpu_name) is not gpus.INTERPRETER:
+            notes.append(f"--gpu {gpu_name} is ignored: the interpreter measures the CPU")
+        return Target("interpreter", gpus.INTERPRETER, "cpu", notes)
+    # cuda
+    if gpu_name:
+        try:
+            found = gpus.select_device(gpu_name)
+        except (gpus.GpuNotFoundError, gpus.UnknownGpuError) as e:
+            raise SearchError(str(e)) from None
+    else:
+        visible = gpus.visible_gpus()
+        if not visible:
+            raise SearchError("no CUDA GPU is visible; use --backend interpreter to run the "
+                              "flow on the CPU, or --dry-run --gpu NAME to see the plan")
+        found = visible[0]
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SearchError("TRITON_INTERPRET is set, so kernels would run on the CPU: unset it "
+                          "to tune on the GPU, or use --backend interpreter")
+    import torch
+
+    torch.cuda.set_device(found.index)
+    return Target("cuda", found.spec, f"cuda:{found.index}")
+
+
+def parse_dims(spec_dim_names: Sequence[str], model: str | None, dim: int | None,
+               dims: Mapping[str, int] | None, from_model: Callable[..., dict[str, int]]
+               ) -> dict[str, int]:
+    """The kernel's dims from --model, --dim (the width) or --dims k=v,..."""
+    from fusetune.models import preset
+
+    given = sum(x is not None for x in (model, dim, dims))
+    if given > 1:
+        raise SearchError("give only one of --model, --dim, --dims")
+    if model is not None:
+        try:
+            return from_model(preset(model))
+        except ValueError as e:
+            raise SearchError(str(e)) from None
+    if dim is not None:
+        if tuple(spec_dim_names) != ("dim",):
+            raise SearchError(f"--dim sets only 'dim'; this kernel needs "
+                              f"{', '.join(spec_dim_names)}: use --dims or --model")
+        out = {"dim": dim}
+    else:
+        out = dict(dims or {})
+    if sorted(out) != sorted(spec_dim_names):
+        raise SearchError(f"dims {out} do not match this kernel's {', '.join(spec_dim_names)}")
+    for k, v in out.items():
+        if v < 1:
+            raise SearchError(f"{k}={v} must be a positive integer")
+    return out
+
+
+@dataclass
+class Request:
+    """What `fusetune search` was asked for (after parsing flags)."""
+
+    kernel: str
+    dims: dict[str, int]
+    batches: list[int]
+    seqs: list[int]
+    dtypes: list[str]
+    weights: str = ""
+
+
+def make_points(req: Request) -> list[Point]:
+    from fusetune.kernels._spec import DTYPES, Point
+
+    for d in req.dtypes:
+        if d not in DTYPES:
+            raise SearchError(f"unknown dtype {d!r}; valid: {', '.join(DTYPES)}")
+    for name, values in (("--batch", req.batches), ("--seq", req.seqs)):
+        if not values or any(v < 1 for v in values):
+            raise SearchError(f"{name} needs positive integers, got {values}")
+    return [Point.make(req.kernel, req.dims, b, s, d, req.weights)
+            for d in req.dtypes for s in req.seqs for b in req.batches]
+
+
+def open_storage(url: str) -> optuna.storages.RDBStorage:
+    """Optuna's storage on the same database as fusetune's tables."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)

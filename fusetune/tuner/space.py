@@ -1,0 +1,185 @@
+"""Search spaces as data: parsing the YAML, enumerating configs, pruning what cannot fit."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fusetune.gpus import GpuSpec
+from fusetune.kernels._spec import Config, KernelSpec, Point, check_fits
+
+
+class SpaceError(ValueError):
+    """A search-space file that is malformed."""
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # "pow2" (sampled as a log2 integer) or "values" (categorical)
+    values: tuple[int, ...]
+
+    @property
+    def optuna_name(self) -> str:
+        return f"log2_{self.name}" if self.kind == "pow2" else self.name
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    kernel: str
+    params: tuple[Param, ...]
+    source: str
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for p in self.params:
+            n *= len(p.values)
+        return n
+
+    def configs(self) -> Iterator[Config]:
+        names = [p.name for p in self.params]
+        for combo in itertools.product(*(p.values for p in self.params)):
+            yield dict(zip(names, combo, strict=True))
+
+    def suggest(self, trial: Any) -> Config:
+        """Draws one config from an Optuna trial (powers of two as log2 integers)."""
+        config: Config = {}
+        for p in self.params:
+            if p.kind == "pow2":
+                lo, hi = p.values[0].bit_length() - 1, p.values[-1].bit_length() - 1
+                config[p.name] = 1 << trial.suggest_int(p.optuna_name, lo, hi)
+            else:
+                config[p.name] = trial.suggest_categorical(p.optuna_name, list(p.values))
+        return config
+
+    def to_params(self, config: Mapping[str, int]) -> dict[str, int] | None:
+        """The Optuna parameters of `config`, or None if `config` lies outside this space."""
+        params: dict[str, int] = {}
+        for p in self.params:
+            v = config[p.name]
+            if v not in p.values:
+                return None
+            params[p.optuna_name] = v.bit_length() - 1 if p.kind == "pow2" else v
+        return params
+
+
+    def from_params(self, params: Mapping[str, int]) -> Config:
+        """The config of Optuna parameters made by `suggest` or `to_params`."""
+        return {p.name: (1 << params[p.optuna_name]) if p.kind == "pow2" else params[p.optuna_name]
+                for p in self.params}
+
+
+def config_key(config: Mapping[str, int]) -> str:
+    """A stable text key of a config (sorted JSON)."""
+    return json.dumps(dict(sorted(config.items())), separators=(",", ":"))
+
+
+def _parse_param(name: str, body: Any, where: str) -> Param:
+    if not isinstance(body, Mapping) or len(body) != 1:
+        raise SpaceError(f"{where}: parameter {name!r} must be {{pow2: [lo, hi]}} or "
+                         f"{{values: [...]}}, got {body!r}")
+    ((kind, arg),) = body.items()
+    if kind == "pow2":
+        ok = isinstance(arg, list) and len(arg) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+            for v in arg) and arg[0] <= arg[1]
+        if not ok:
+            raise SpaceError(f"{where}: {name}: pow2 needs [lo, hi], powers of two with lo <= hi,"
+                             f" got {arg!r}")
+        lo, hi = arg[0].bit_length() - 1, arg[1].bit_length() - 1
+        return Param(name, "pow2", tuple(1 << e for e in range(lo, hi + 1)))
+    if kind == "values":
+        ok = isinstance(arg, list) and arg and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in arg)
+        if not ok:
+            raise SpaceError(f"{where}: {name}: values needs a non-empty list of positive "
+                             f"integers, got {arg!r}")
+        return Param(name, "values", tuple(sorted(set(arg))))
+    raise SpaceError(f"{where}: {name}: unknown kind {kind!r}; valid: pow2, values")
+
+
+def parse_space(text: str, spec: KernelSpec, source: str) -> SearchSpace:
+    """Parses and validates a search space for `spec` (the YAML text of `source`)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpaceError(f"{source}: not valid YAML: {e}") from e
+    if not isinstance(data, Mapping) or "params" not in data:
+        raise SpaceError(f"{source}: expected a mapping with 'kernel' and 'params'")
+    if data.get("kernel") != spec.name:
+        raise SpaceError(f"{source}: kernel is {data.get('kernel')!r}, expected {spec.name!r}")
+    params_raw = data["params"]
+    if not isinstance(params_raw, Mapping):
+        raise SpaceError(f"{source}: 'params' must be a mapping of parameter -> range")
+    names = list(params_raw)
+    if sorted(names) != sorted(spec.config_keys):
+        raise SpaceError(f"{source}: params are {', '.join(map(str, names))}; a {spec.name} "
+                         f"space has exactly {', '.join(spec.config_keys)}")
+    params = tuple(_parse_param(n, params_raw[n], source) for n in spec.config_keys)
+    for p in params:
+        if p.name in spec.pow2_keys and any(v & (v - 1) for v in p.values):
+            raise SpaceError(f"{source}: {p.name} must hold powers of two, got {p.values}")
+    return SearchSpace(spec.name, params, source)
+
+
+def load_space(spec: KernelSpec, path: str | Path | None = None) -> SearchSpace:
+    """The kernel's shipped search space, or the user's file at `path`."""
+    if path is None:
+        res = resources.files("fusetune.search_spaces").joinpath(f"{spec.name}.yaml")
+        return parse_space(res.read_text(), spec, f"search_spaces/{spec.name}.yaml")
+    p = Path(path)
+    if not p.is_file():
+        raise SpaceError(f"search space file {str(p)!r} does not exist")
+    return parse_space(p.read_text(), spec, str(p))
+
+
+@dataclass
+class Plan:
+    """What tuning one point will try: distinct feasible configs and what was pruned, why."""
+
+    point: Point
+    raw_size: int
+    feasible: list[Config]
+    infeasible: dict[str, str] = field(default_factory=dict)  # config_key -> reason
+    pruned_reasons: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def distinct(self) -> int:
+        return len(self.feasible) + len(self.infeasible)
+
+
+def _limit_label(reason: str, gpu: GpuSpec) -> str:
+    kind = reason.split(":", 1)[0]
+    return {
+        "threads": f"threads>{gpu.max_threads_per_block}",
+        "shared-memory": f"smem>{gpu.smem_per_block}B",
+        "registers": f"regs>{gpu.regs_per_thread}/thread",
+    }.get(kind, kind)
+
+
+def make_plan(space: SearchSpace, spec: KernelSpec, point: Point, gpu: GpuSpec) -> Plan:
+    """Enumerates the space for `point`, collapses equivalent configs, prunes by `gpu`'s limits."""
+    seen: set[str] = set()
+    plan = Plan(point, space.size, [])
+    for raw in space.configs():
+        c = spec.canonical(raw, point)
+        key = config_key(c)
+        if key in seen:
+            continue
+        seen.add(key)
+        why = check_fits(spec.resources(c, point), gpu)
+        if why is None:
+            plan.feasible.append(c)
+        else:
+            plan.infeasible[key] = why
+            plan.pruned_reasons[_limit_label(why, gpu)] += 1
+    return plan

@@ -1,0 +1,365 @@
+"""The `fusetune` command: plans, errors, and the whole flow search -> show -> export -> lookup.
+
+Searches run in subprocesses on Triton's interpreter (the backend is chosen before the kernels
+are imported); the rest runs in-process through click's CliRunner.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from rich.console import Console
+
+import fusetune
+from fusetune import cli
+from fusetune.db.store import Store
+
+INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+needs_interpreter = pytest.mark.skipif(
+    not INTERP, reason="the in-process kernel check needs TRITON_INTERPRET=1 (no CUDA)")
+
+
+@pytest.fixture(autouse=True)
+def _wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rich tables at a fixed width, whatever the terminal pytest runs in."""
+    monkeypatch.setattr(cli, "console", Console(highlight=False, width=200))
+    monkeypatch.setattr(cli, "err", Console(stderr=True, highlight=False, width=200))
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli.main, list(args))
+
+
+def interp_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    env.pop(fusetune.tables.ENV_VAR, None)
+    return env
+
+
+def search_cmd(db_url: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "fusetune.cli", "search", "--kernel", "rmsnorm",
+            "--backend", "interpreter", "--db", db_url, *args]
+
+
+def run_search(db_url: str, cwd: Path, *args: str, timeout: float = 240
+               ) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(search_cmd(db_url, *args), cwd=cwd, env=interp_env(),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def results_rows(db_path: Path) -> list[tuple]:
+    with sqlite3.connect(db_path, timeout=60) as con:
+        return con.execute(
+            "SELECT r.id, r.point_id, r.config_key, r.status, r.time_us, r.created_at, "
+            "r.trial_number, p.batch, p.seq FROM ft_results r JOIN ft_points p "
+            "ON p.id = r.point_id ORDER BY r.id").fetchall()
+
+
+def study_trial_counts(db_path: Path, db_url: str) -> dict[str, int]:
+    import optuna
+
+    with sqlite3.connect(db_path, timeout=60) as con:
+        names = [n for (n,) in con.execute("SELECT study_name FROM ft_points")]
+    return {n: len(optuna.load_study(study_name=n, storage=db_url).get_trials()) for n in names}
+
+
+def pruned_total(output: str, gpu: str) -> int:
+    m = re.search(rf"(\d+) configs pruned in all under {re.escape(gpu)}'s limits", output)
+    assert m, output
+    return int(m.group(1))
+
+
+# ---- planning and errors (no GPU, no kernels run) ------------------------------------------
+
+
+def test_dry_run_3090() -> None:
+    r = invoke("search", "--kernel", "rmsnorm", "--gpu", "3090", "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert "Plan for rmsnorm on rtx-3090" in r.output
+    assert "101376 B shared memory per block" in r.output
+    assert "smem>101376B" in r.output
+    assert "12 points" in r.output  # the default grid: 3 batches x 2 seqs x 2 dtypes
+    assert pruned_total(r.output, "rtx-3090") > 0
+
+
+def test_dry_run_h100_prunes_fewer_than_3090() -> None:
+    r3090 = invoke("search", "--kernel", "rmsnorm", "--gpu", "3090", "--dry-run")
+    rh100 = invoke("search", "--kernel", "rmsnorm", "--gpu", "h100", "--dry-run")
+    assert r3090.exit_code == 0 and rh100.exit_code == 0, rh100.output
+    assert "h100-sxm" in rh100.output and "232448 B shared memory" in rh100.output
+    assert "smem>" not in rh100.output
+    assert 0 < pruned_total(rh100.output, "h100-sxm") < pruned_total(r3090.output, "rtx-3090")
+
+
+def test_dry_run_with_explicit_grid() -> None:
+    r = invoke("search", "--kernel", "rmsnorm", "--gpu", "3090", "--dry-run", "--dim", "64",
+               "--batch", "1", "--seq", "1", "--dtype", "float16", "--trials", "100")
+    assert r.exit_code == 0, r.output
+    assert "1 points" in r.output and "dim=64" in r.output
+    # BLOCK_D, ROWS and num_stages collapse at D=64, rows=1: only the 6 warp counts remain
+    assert re.search(r"│ 1\s+│ 1\s+│ float16 │ 1\s+│ 6\s+│ 6\s+│ 0\s+│", r.output), r.output
+    assert pruned_total(r.output, "rtx-3090") == 0
+
+
+@pytest.mark.parametrize("interpret", ["unset", "1"])
+def test_gpu_without_dry_run_and_no_gpu(monkeypatch: pytest.MonkeyPatch, interpret: str
+                                        ) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    if interpret == "unset":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:  # how CPU-only machines (and this suite) run: the interpreter switched on
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    r = invoke("search", "--kernel", "rmsnorm", "--gpu", "3090")
+    assert r.exit_code != 0
+    assert "no CUDA GPU is visible" in r.output, r.output
+    assert "--dry-run" in r.output
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["search", "--kernel", "layernorm", "--dry-run"], ["unknown kernel 'layernorm'",
+                                                            "valid: rmsnorm"]),
+        (["search", "--kernel", "rmsnorm", "--gpu", "v100", "--dry-run"],
+         ["unknown GPU 'v100'", "rtx-3090", "h100-sxm", "h200"]),
+        (["search", "--kernel", "rmsnorm", "--dry-run", "--dtype", "float64"],
+         ["unknown dtype 'float64'", "float16", "bfloat16", "float32"]),
+        (["search", "--kernel", "rmsnorm", "--dry-run", "--model", "gpt-5"],
+         ["unknown model 'gpt-5'", "llama-2-7b"]),
+        (["search", "--kernel", "rmsnorm", "--dry-run", "--backend", "rocm"],
+         ["'rocm' is not one of", "auto", "cuda", "interpreter"]),
+        (["export", "out.yaml", "--gpu", "v100", "--db", "sqlite://"],
+         ["unknown GPU 'v100'", "h100-sxm"]),
+        (["show", "--gpu", "v100", "--db", "sqlite://"], ["unknown GPU 'v100'", "h100-sxm"]),
+    ],
+    ids=["kernel", "gpu", "dtype", "model", "backend", "export-gpu", "show-gpu"],
+)
+def test_unknown_choices_named(args: list[str], expected: list[str]) -> None:
+    r = invoke(*args)
+    assert r.exit_code != 0
+    # a clean message, not a traceback
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    for text in expected:
+        assert text in r.output, r.output
+
+
+@pytest.mark.parametrize("batch", ["1,x", "0", "1,-4", ","])
+def test_bad_batch(batch: str) -> None:
+    r = invoke("search", "--kernel", "rmsnorm", "--dry-run", "--batch", batch)
+    assert r.exit_code == 2
+    assert "Invalid value for '--batch'" in r.output
+    assert "integers" in r.output
+
+
+def test_gpus_lists_catalogue() -> None:
+    r = invoke("gpus")
+    assert r.exit_code == 0, r.output
+    for name in ("rtx-3090", "h100-sxm", "h200", "a100-80gb"):
+        assert re.search(rf"│ {re.escape(name)}\s+│", r.output), name
+    if not torch.cuda.is_available():
+        assert "No CUDA GPU is visible here" in r.output
+
+
+def test_show_and_export_on_empty_db(db_url: str, tmp_path: Path) -> None:
+    r = invoke("show", "--db", db_url)
+    assert r.exit_code == 0 and "holds no points" in r.output
+    r = invoke("export", str(tmp_path / "t.yaml"), "--db", db_url)
+    assert r.exit_code != 0 and "no winners" in r.output
+    assert not (tmp_path / "t.yaml").exists()
+
+
+# ---- the whole flow on the interpreter -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_search_show_export_lookup(db_url: str, tmp_path: Path, fresh_tables: None) -> None:
+    run_search(db_url, tmp_path, "--dim", "64", "--batch", "1,3", "--seq", "1,2",
+               "--dtype", "float16", "--trials", "4")
+    points = {(1, 1), (3, 1), (1, 2), (3, 2)}
+
+    rows = results_rows(tmp_path / "ft.db")
+    for b, s in points:
+        mine = [r for r in rows if (r[7], r[8]) == (b, s)]
+        assert len(mine) >= 4, (b, s, mine)
+        assert all(r[3] == "ok" for r in mine)
+
+    shown = invoke("show", "--db", db_url)
+    assert shown.exit_code == 0, shown.output
+    listed = set(re.findall(r'│ interpreter │ rmsnorm │ \{"dim":64\}\s*│ (\d+)\s*│ (\d+)\s*│ '
+                            r'float16', shown.output))
+    assert {(int(b), int(s)) for b, s in listed} == points, shown.output
+
+    out = tmp_path / "tables.yaml"
+    exported = invoke("export", str(out), "--db", db_url)
+    assert exported.exit_code == 0, exported.output
+    assert "wrote 4 entries for interpreter" in exported.output
+
+    fusetune.load_tables(out)
+    winners = {(p.batch, p.seq): w.config for p, w in Store(db_url).winners(gpu="interpreter")}
+    assert set(winners) == points
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusetune.FusetuneWarning)
+        for (b, s), config in winners.items():
+            got = fusetune.lookup("rmsnorm", {"dim": 64}, "float16", rows=b * s,
+                                  gpu="interpreter")
+            assert got == config
+        assert fusetune.lookup("rmsnorm", {"dim": 64}, "float16", rows=3,
+                               gpu="interpreter") == winners[(3, 1)]
+
+    if not INTERP:
+        return
+    from fusetune.kernels import rmsnorm as mod
+
+    launched: list[dict[str, int]] = []
+    real = mod._launch_2d
+    x = torch.randn(3, 64).half()
+    w = (1 + 0.1 * torch.randn(64)).half()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusetune.FusetuneWarning)
+        mod._launch_2d = lambda *a: (launched.append(dict(a[-1])), real(*a))  # type: ignore
+        try:
+            y = fusetune.rmsnorm(x, w)
+        finally:
+            mod._launch_2d = real
+    assert launched == [winners[(3, 1)]]
+    xf = x.float()
+    ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+    assert y.dtype == torch.float16
+    assert float((y.float() - ref).norm() / ref.norm()) <= 2e-3
+
+
+@pytest.mark.slow
+def test_resume_keeps_results_and_adds_trials(db_url: str, tmp_path: Path) -> None:
+    db = tmp_path / "ft.db"
+    grid = ("--dim", "64", "--batch", "1,3", "--seq", "1", "--dtype", "float16")
+    run_search(db_url, tmp_path, *grid, "--trials", "3")
+    first = results_rows(db)
+    per_point = {}
+    for r in first:
+        per_point.setdefault((r[7], r[8]), []).append(r)
+    assert set(per_point) == {(1, 1), (3, 1)}
+    assert all(len(v) == 3 for v in per_point.values()), first
+
+    run_search(db_url, tmp_path, *grid, "--trials", "6")
+    second = results_rows(db)
+    assert second[: len(first)] == first  # same ids, configs, statuses, times, created_at
+    assert set(second[len(first):]).isdisjoint(first)
+    keys = [(r[1], r[2]) for r in second]
+    assert len(keys) == len(set(keys)), "a config was stored twice for one point"
+    counts = {}
+    for r in second:
+        counts[(r[7], r[8])] = counts.get((r[7], r[8]), 0) + 1
+    assert counts[(1, 1)] >= 6 and counts[(3, 1)] >= 6, counts
+
+    trials_before = study_trial_counts(db, db_url)
+    run_search(db_url, tmp_path, *grid, "--trials", "6")
+    assert results_rows(db) == second  # nothing new stored, nothing changed
+    assert study_trial_counts(db, db_url) == trials_before  # and nothing run again
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume(db_url: str, tmp_path: Path) -> None:
+    import optuna
+    from optuna.trial import TrialState
+
+    db = tmp_path / "ft.db"
+    cmd = search_cmd(db_url, "--dim", "256", "--batch", "16", "--seq", "16", "--dtype",
+                     "float16", "--trials", "10")
+    log = (tmp_path / "first.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=interp_env(), stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        n = 0
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "the search ended before it could be killed"
+            if db.exists():
+                try:
+                    with sqlite3.connect(db, timeout=60) as con:
+                        n = con.execute("SELECT COUNT(*) FROM ft_results").fetchone()[0]
+                except sqlite3.OperationalError:  # tables not created yet
+                    n = 0
+                if n >= 3:
+                    break
+            time.sleep(0.05)
+        assert n >= 3, "no 3 results within 120 s"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+    before = results_rows(db)
+    assert len(before) >= 3
+    with sqlite3.connect(db) as con:
+        (study_name,) = con.execute("SELECT study_name FROM ft_points").fetchone()
+    study = optuna.load_study(study_name=study_name, storage=db_url)
+    was_running = [t.number for t in study.get_trials(states=(TrialState.RUNNING,))]
+    assert was_running, "the killed search left no trial RUNNING (killed between trials?)"
+
+    rerun = subprocess.run(cmd, cwd=tmp_path, env=interp_env(), capture_output=True, text=True,
+                           timeout=400, check=False)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+
+    after = results_rows(db)
+    assert after[: len(before)] == before
+    keys = [(r[1], r[2]) for r in after]
+    assert len(keys) == len(set(keys))
+    ok_or_not = {r[3] for r in after}
+    assert ok_or_not <= {"ok", "infeasible"}, ok_or_not
+    assert sum(1 for r in after if r[3] == "ok") >= 10
+
+    study = optuna.load_study(study_name=study_name, storage=db_url)
+    trials = study.get_trials()
+    assert not [t.number for t in trials if t.state == TrialState.RUNNING]
+    by_number = {t.number: t for t in trials}
+    for number in was_running:
+        t = by_number[number]
+        assert t.state == TrialState.FAIL
+        assert t.user_attrs.get("reason"), t.user_attrs
+        assert t.user_attrs.get("status") == "interrupted"
+    assert len(Store(db_url).winners()) == 1
+
+
+# ---- the runtime never loads the tuner's dependencies --------------------------------------
+
+
+def test_runtime_import_does_not_load_optuna_or_sqlalchemy(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "import fusetune\n"
+        "assert 'triton' not in sys.modules, 'import fusetune loaded triton'\n"
+        "fusetune.rmsnorm; fusetune.lookup; fusetune.load_tables\n"
+        "import torch, warnings\n"
+        "warnings.simplefilter('ignore')\n"
+        "cfg = fusetune.lookup('rmsnorm', {'dim': 64}, 'float16', rows=2)\n"
+        "assert cfg['BLOCK_D'] == 64, cfg\n"
+        "if not torch.cuda.is_available():\n"
+        "    y = fusetune.rmsnorm(torch.randn(2, 64), torch.ones(64))\n"
+        "    assert y.shape == (2, 64)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('optuna', 'sqlalchemy'))\n"
+        "assert 'optuna' not in sys.modules and 'sqlalchemy' not in sys.modules, bad\n"
+        "print('clean')\n"
+    )
+    env = interp_env() if not torch.cuda.is_available() else dict(os.environ)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "clean"

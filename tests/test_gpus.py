@@ -1,0 +1,318 @@
+"""Tests for fusetune.gpus (no GPU needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+
+from fusetune import gpus
+from fusetune.gpus import (
+    CATALOGUE,
+    INTERPRETER,
+    GpuNotFoundError,
+    GpuSpec,
+    UnknownGpuError,
+    VisibleGpu,
+    current_gpu,
+    format_catalogue,
+    match_device_name,
+    resolve,
+    select_device,
+    spec_from_device,
+    visible_gpus,
+)
+
+CANONICAL = (
+    "rtx-3090",
+    "rtx-4090",
+    "a100-40gb",
+    "a100-80gb",
+    "l4",
+    "h100-sxm",
+    "h100-pcie",
+    "h200",
+)
+
+
+def _visible(index: int, torch_name: str) -> VisibleGpu:
+    spec = match_device_name(torch_name)
+    assert spec is not None
+    return VisibleGpu(index=index, torch_name=torch_name, spec=spec)
+
+
+def test_catalogue_names_are_the_eight_supported_gpus() -> None:
+    assert tuple(spec.name for spec in CATALOGUE) == CANONICAL
+    assert all(isinstance(spec, GpuSpec) and spec.known for spec in CATALOGUE)
+
+
+@pytest.mark.parametrize("name", CANONICAL)
+def test_resolve_every_canonical_name(name: str) -> None:
+    assert resolve(name).name == name
+    assert resolve(name.upper()).name == name
+
+
+@pytest.mark.parametrize(
+    ("alias", "expected"),
+    [
+        ("3090", "rtx-3090"),
+        ("RTX 3090", "rtx-3090"),
+        ("rtx_3090", "rtx-3090"),
+        ("geforce-rtx-3090", "rtx-3090"),
+        ("4090", "rtx-4090"),
+        ("H100", "h100-sxm"),
+        ("h100 sxm", "h100-sxm"),
+        ("H100_PCIE", "h100-pcie"),
+        ("a100", "a100-80gb"),
+        ("A100-40GB", "a100-40gb"),
+        ("L4", "l4"),
+        ("h200", "h200"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+    ],
+)
+def test_resolve_aliases_and_device_names(alias: str, expected: str) -> None:
+    assert resolve(alias).name == expected
+
+
+@pytest.mark.parametrize("name", ["interpreter", "CPU", " Interpreter "])
+def test_resolve_interpreter(name: str) -> None:
+    spec = resolve(name)
+    assert spec is INTERPRETER
+    assert spec.compute_capability == (0, 0)
+    assert spec.sms == 1
+    assert spec.smem_per_block == 232448
+    assert spec.bandwidth_gbs is None and spec.peak_fp16_tflops is None
+
+
+@pytest.mark.parametrize("bad", ["rtx-9999", "v100", "", "h300"])
+def test_resolve_unknown_lists_valid_names(bad: str) -> None:
+    with pytest.raises(UnknownGpuError) as info:
+        resolve(bad)
+    message = str(info.value)
+    assert repr(bad) in message
+    for name in CANONICAL:
+        assert name in message
+    assert "3090" in message and "interpreter" in message
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("torch_name", "expected"),
+    [
+        ("NVIDIA GeForce RTX 3090", "rtx-3090"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA A100 80GB PCIe", "a100-80gb"),
+        ("nvidia l4", "l4"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H200 NVL", "h200"),
+    ],
+)
+def test_match_device_name_known(torch_name: str, expected: str) -> None:
+    spec = match_device_name(torch_name)
+    assert spec is not None
+    assert spec.name == expected
+
+
+@pytest.mark.parametrize(
+    "torch_name",
+    [
+        "Tesla V100-SXM2-16GB",
+        "NVIDIA GeForce RTX 3090 Ti",
+        "NVIDIA GeForce RTX 4090 Laptop GPU",
+        "NVIDIA L40S",
+        "NVIDIA L40",
+        "NVIDIA GH200 480GB",
+        "",
+    ],
+)
+def test_match_device_name_unknown(torch_name: str) -> None:
+    assert match_device_name(torch_name) is None
+
+
+def test_datasheet_numbers() -> None:
+    r3090 = resolve("3090")
+    assert r3090.smem_per_block == 101376
+    assert r3090.smem_per_sm == 102400
+    assert r3090.compute_capability == (8, 6)
+    assert r3090.sms == 82
+    assert r3090.bandwidth_gbs == 936
+    assert r3090.peak_fp16_tflops == 71
+    assert resolve("a100").smem_per_block == 166912
+    assert resolve("a100").smem_per_sm == 167936
+    assert resolve("h100").smem_per_block == 232448
+    assert resolve("h100").sms == 132
+    assert resolve("h100-pcie").sms == 114
+    assert resolve("h100-pcie").peak_bf16_tflops == 756
+    assert resolve("l4").bandwidth_gbs == 300
+    assert resolve("4090").compute_capability == (8, 9)
+    assert resolve("h200").memory_gb == 141
+    for spec in CATALOGUE:
+        assert spec.regs_per_block == 65536
+        assert spec.regs_per_thread == 255
+        assert spec.max_threads_per_block == 1024
+        assert spec.smem_per_sm - spec.smem_per_block == 1024
+
+
+def test_visible_gpus_empty_without_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible")
+    assert visible_gpus() == []
+    with pytest.raises(RuntimeError, match="no CUDA GPU is visible"):
+        current_gpu()
+
+
+def test_select_device_none_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpus, "visible_gpus", lambda: [])
+    with pytest.raises(GpuNotFoundError) as info:
+        select_device("3090")
+    assert "--dry-run" in str(info.value)
+    assert "--backend interpreter" in str(info.value)
+    assert "no CUDA GPU is visible" in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_select_device_wrong_gpu_names_what_it_sees(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpus, "visible_gpus", lambda: [_visible(0, "NVIDIA H100 80GB HBM3")])
+    with pytest.raises(GpuNotFoundError) as info:
+        select_device("3090")
+    message = str(info.value)
+    assert "rtx-3090" in message
+    assert "NVIDIA H100 80GB HBM3" in message
+    assert "cuda:0" in message and "h100-sxm" in message
+
+
+def test_select_device_picks_matching_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = [_visible(0, "NVIDIA GeForce RTX 3090"), _visible(1, "NVIDIA H100 80GB HBM3")]
+    monkeypatch.setattr(gpus, "visible_gpus", lambda: seen)
+    chosen = select_device("H100")
+    assert chosen.index == 1
+    assert chosen.spec.name == "h100-sxm"
+    assert select_device("rtx 3090").index == 0
+    with pytest.raises(UnknownGpuError):
+        select_device("v100")
+
+
+def test_select_device_unknown_visible_by_slug(monkeypatch: pytest.MonkeyPatch) -> None:
+    odd = dataclasses.replace(INTERPRETER, name="nvidia-l40s", display="NVIDIA L40S", known=False)
+    seen = [VisibleGpu(index=0, torch_name="NVIDIA L40S", spec=odd)]
+    monkeypatch.setattr(gpus, "visible_gpus", lambda: seen)
+    assert select_device("nvidia-l40s").index == 0
+    assert select_device("NVIDIA L40S").index == 0
+
+
+def test_current_gpu_uses_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = [_visible(0, "NVIDIA L4"), _visible(1, "NVIDIA H200")]
+    monkeypatch.setattr(gpus, "visible_gpus", lambda: seen)
+    assert current_gpu().name == "l4"
+    assert current_gpu(1).name == "h200"
+    with pytest.raises(RuntimeError, match="cuda:1"):
+        current_gpu(5)
+
+
+def test_format_catalogue_marks_visible() -> None:
+    seen = [_visible(0, "NVIDIA GeForce RTX 3090")]
+    rows = {row["name"]: row for row in format_catalogue(seen)}
+    assert list(rows) == list(CANONICAL)
+    r3090 = rows["rtx-3090"]
+    assert r3090["visible"] == "cuda:0"
+    assert r3090["cc"] == "8.6"
+    assert r3090["sms"] == "82"
+    assert r3090["smem_kb"] == "99"
+    assert r3090["regs"] == "65536"
+    assert r3090["bandwidth_gbs"] == "936"
+    assert r3090["fp16_tflops"] == "71"
+    assert r3090["aliases"] == "3090, rtx3090, geforce-rtx-3090"
+    assert rows["h100-sxm"]["visible"] == ""
+    assert rows["h100-sxm"]["smem_kb"] == "227"
+    assert rows["rtx-4090"]["fp16_tflops"] == "165.2"
+
+
+def test_format_catalogue_unknown_visible_gets_own_row() -> None:
+    odd = dataclasses.replace(
+        INTERPRETER,
+        name="nvidia-l40s",
+        display="NVIDIA L40S",
+        compute_capability=(8, 9),
+        known=False,
+    )
+    seen = [
+        VisibleGpu(index=0, torch_name="NVIDIA L40S", spec=odd),
+        _visible(1, "NVIDIA H100 80GB HBM3"),
+        _visible(2, "NVIDIA H100 80GB HBM3"),
+    ]
+    rows = format_catalogue(seen)
+    assert len(rows) == len(CATALOGUE) + 1
+    last = rows[-1]
+    assert last["name"] == "nvidia-l40s"
+    assert last["known"] is False
+    assert last["visible"] == "cuda:0"
+    assert last["cc"] == "8.9"
+    assert last["bandwidth_gbs"] == "?"
+    by_name = {row["name"]: row for row in rows}
+    assert by_name["h100-sxm"]["visible"] == "cuda:1,cuda:2"
+
+
+def _fake_torch(props: object, name: str) -> types.ModuleType:
+    cuda = types.SimpleNamespace(
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        get_device_name=lambda index: name,
+        get_device_properties=lambda index: props,
+    )
+    module = types.ModuleType("torch")
+    module.cuda = cuda  # type: ignore[attr-defined]
+    return module
+
+
+def test_spec_from_device_with_fake_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    props = types.SimpleNamespace(
+        name="NVIDIA L40S",
+        major=8,
+        minor=9,
+        multi_processor_count=142,
+        total_memory=48 * 1024**3,
+        shared_memory_per_block_optin=101376,
+        shared_memory_per_multiprocessor=102400,
+        regs_per_multiprocessor=65536,
+    )
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(props, "NVIDIA L40S"))
+    spec = spec_from_device(0)
+    assert spec.name == "nvidia-l40s"
+    assert spec.known is False
+    assert spec.compute_capability == (8, 9)
+    assert spec.sms == 142
+    assert spec.smem_per_block == 101376
+    assert spec.smem_per_sm == 102400
+    assert spec.memory_gb == 48.0
+    assert spec.bandwidth_gbs is None and spec.peak_bf16_tflops is None
+    (gpu,) = visible_gpus()
+    assert gpu.index == 0 and gpu.spec == spec
+
+
+def test_spec_from_device_smem_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    props = types.SimpleNamespace(
+        name="Some GPU", major=7, minor=5, multi_processor_count=40, total_memory=16 * 1024**3
+    )
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(props, "Some GPU"))
+    monkeypatch.setitem(sys.modules, "triton", None)  # make `import triton` fail
+    spec = spec_from_device(0)
+    assert spec.smem_per_block == 49152
+    assert spec.regs_per_block == 65536
+    assert spec.name == "some-gpu"
+
+
+def test_visible_gpus_known_device_uses_catalogue(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(None, "NVIDIA A100-SXM4-80GB"))
+    (gpu,) = visible_gpus()
+    assert gpu.spec is resolve("a100-80gb")
+    assert gpu.torch_name == "NVIDIA A100-SXM4-80GB"

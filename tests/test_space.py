@@ -1,0 +1,160 @@
+"""Search spaces: parsing, Optuna round trips, plans pruned by a GPU's limits."""
+
+from __future__ import annotations
+
+import pytest
+from optuna.trial import FixedTrial
+
+from fusetune import gpus
+from fusetune.kernels import get_spec
+from fusetune.kernels._spec import Point, check_fits
+from fusetune.tuner.space import SpaceError, config_key, load_space, make_plan, parse_space
+
+SPEC = get_spec("rmsnorm")
+
+GOOD = """
+kernel: rmsnorm
+params:
+  BLOCK_D: {pow2: [64, 1024]}
+  ROWS: {pow2: [1, 4]}
+  num_warps: {values: [8, 2, 4, 2]}
+  num_stages: {values: [1, 2]}
+"""
+
+
+def test_load_shipped_space() -> None:
+    space = load_space(SPEC)
+    assert space.kernel == "rmsnorm"
+    assert [p.name for p in space.params] == list(SPEC.config_keys)
+    by_name = {p.name: p for p in space.params}
+    assert by_name["BLOCK_D"].values == tuple(1 << e for e in range(6, 15))
+    assert by_name["BLOCK_D"].kind == "pow2"
+    assert by_name["ROWS"].values == (1, 2, 4, 8, 16)
+    assert by_name["num_warps"].values == (1, 2, 4, 8, 16, 32)
+    assert (by_name["num_stages"].kind, by_name["num_stages"].values) == ("values", (1, 2, 3, 4))
+    assert space.size == 9 * 5 * 6 * 4
+    assert len(list(space.configs())) == space.size
+
+
+def test_load_user_space(tmp_path) -> None:
+    f = tmp_path / "space.yaml"
+    f.write_text(GOOD)
+    space = load_space(SPEC, f)
+    assert space.source == str(f)
+    assert space.size == 5 * 3 * 3 * 2
+    assert {p.name: p.values for p in space.params}["num_warps"] == (2, 4, 8)
+    with pytest.raises(SpaceError, match="does not exist"):
+        load_space(SPEC, tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (GOOD.replace("{values: [1, 2]}", "{range: [1, 2]}"), r"num_stages: unknown kind 'range'"),
+        (GOOD.replace("[64, 1024]", "[48, 1024]"), r"BLOCK_D: pow2 needs .*\[48, 1024\]"),
+        (GOOD.replace("[64, 1024]", "[1024, 64]"), r"BLOCK_D: pow2 needs .*lo <= hi"),
+        (GOOD.replace("  num_stages: {values: [1, 2]}\n", ""),
+         r"params are BLOCK_D, ROWS, num_warps; a rmsnorm space has exactly .*num_stages"),
+        (GOOD + "  SPLIT: {values: [1]}\n", r"params are .*SPLIT"),
+        (GOOD.replace("kernel: rmsnorm", "kernel: layernorm"),
+         r"kernel is 'layernorm', expected 'rmsnorm'"),
+        (GOOD.replace("{values: [8, 2, 4, 2]}", "{values: [3, 4]}"),
+         r"num_warps must hold powers of two"),
+        (GOOD.replace("{values: [1, 2]}", "{values: []}"), r"num_stages: values needs"),
+        ("params: [1, 2", r"not valid YAML"),
+    ],
+    ids=["unknown-kind", "pow2-not-pow2", "pow2-reversed", "missing-param", "extra-param",
+         "wrong-kernel", "values-not-pow2", "empty-values", "bad-yaml"],
+)
+def test_parse_space_errors(text: str, match: str) -> None:
+    with pytest.raises(SpaceError, match=match):
+        parse_space(text, SPEC, "my-space.yaml")
+
+
+def test_parse_space_error_names_source() -> None:
+    with pytest.raises(SpaceError, match=r"^my-space\.yaml: "):
+        parse_space(GOOD.replace("kernel: rmsnorm", "kernel: x"), SPEC, "my-space.yaml")
+
+
+def test_suggest_to_params_from_params_round_trip() -> None:
+    space = load_space(SPEC)
+    config = {"BLOCK_D": 256, "ROWS": 4, "num_warps": 8, "num_stages": 2}
+    params = space.to_params(config)
+    assert params == {"log2_BLOCK_D": 8, "log2_ROWS": 2, "log2_num_warps": 3, "num_stages": 2}
+    assert space.suggest(FixedTrial(params)) == config
+    assert space.from_params(params) == config
+
+
+def test_round_trip_over_the_whole_space() -> None:
+    space = load_space(SPEC)
+    seen = set()
+    for config in space.configs():
+        params = space.to_params(config)
+        assert params is not None
+        assert space.suggest(FixedTrial(params)) == config
+        assert space.from_params(params) == config
+        seen.add(config_key(config))
+    assert len(seen) == space.size
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"BLOCK_D": 32, "ROWS": 1, "num_warps": 4, "num_stages": 1},  # below the pow2 range
+        {"BLOCK_D": 64, "ROWS": 1, "num_warps": 4, "num_stages": 5},  # not among the values
+        {"BLOCK_D": 64, "ROWS": 32, "num_warps": 4, "num_stages": 1},
+    ],
+)
+def test_to_params_outside_space_is_none(config: dict[str, int]) -> None:
+    assert load_space(SPEC).to_params(config) is None
+
+
+def test_config_key_is_order_independent() -> None:
+    a = config_key({"ROWS": 1, "BLOCK_D": 64})
+    assert a == config_key({"BLOCK_D": 64, "ROWS": 1}) == '{"BLOCK_D":64,"ROWS":1}'
+
+
+def _plan(gpu: str, d: int = 4096, batch: int = 1, seq: int = 512, dtype: str = "float16"):
+    point = Point.make("rmsnorm", {"dim": d}, batch, seq, dtype)
+    spec = gpus.resolve(gpu)
+    return make_plan(load_space(SPEC), SPEC, point, spec), spec, point
+
+
+def test_plan_3090_prunes_more_than_h100_for_smem() -> None:
+    p3090, g3090, point = _plan("3090")
+    ph100, _, _ = _plan("h100")
+    assert g3090.smem_per_block == 101376
+    assert len(p3090.infeasible) > len(ph100.infeasible)
+    assert p3090.pruned_reasons["smem>101376B"] > 0
+    assert any("shared-memory" in why for why in p3090.infeasible.values())
+    assert not any(k.startswith("smem") for k in ph100.pruned_reasons)
+    # the same space, only the limits differ
+    assert p3090.distinct == ph100.distinct
+    assert sum(p3090.pruned_reasons.values()) == len(p3090.infeasible)
+    for config in p3090.feasible:
+        res = SPEC.resources(config, point)
+        assert res.smem_bytes <= g3090.smem_per_block
+        assert check_fits(res, g3090) is None
+    for key in p3090.infeasible:
+        assert key not in {config_key(c) for c in p3090.feasible}
+
+
+def test_plan_collapses_equivalent_configs() -> None:
+    plan, _, point = _plan("h100")
+    assert plan.raw_size == load_space(SPEC).size == 1080
+    assert plan.distinct < plan.raw_size
+    keys = [config_key(c) for c in plan.feasible] + list(plan.infeasible)
+    assert len(keys) == len(set(keys)) == plan.distinct
+    for config in plan.feasible:
+        assert SPEC.canonical(config, point) == config
+    # at rows=1 ROWS collapses to 1 and single-pass stages to 1:
+    # 6 looping BLOCK_D x 4 stages + 1 single-pass, x 6 warps
+    small, _, _ = _plan("h100", batch=1, seq=1)
+    assert small.distinct == (6 * 4 + 1) * 6
+
+
+def test_plan_small_dim_has_few_distinct_configs() -> None:
+    plan, _, _ = _plan("interpreter", d=64, batch=1, seq=1)
+    # BLOCK_D collapses to 64 (single pass), ROWS to 1, stages to 1: only num_warps varies
+    assert plan.distinct == 6
+    assert sorted(c["num_warps"] for c in plan.feasible) == [1, 2, 4, 8, 16, 32]

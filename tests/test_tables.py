@@ -1,0 +1,418 @@
+"""Lookup tables: validation of the YAML files, lookup rules, sources, the cached fast path."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import fusetune
+from fusetune import gpus, tables
+from fusetune.kernels import get_spec
+from fusetune.kernels._spec import Point
+
+pytestmark = pytest.mark.usefixtures("fresh_tables")
+
+SPEC = get_spec("rmsnorm")
+DIMS = {"dim": 64}
+
+
+def cfg(block_d: int = 64, rows: int = 1, warps: int = 4, stages: int = 1) -> dict[str, int]:
+    return {"BLOCK_D": block_d, "ROWS": rows, "num_warps": warps, "num_stages": stages}
+
+
+CFG_A = cfg(warps=1)
+CFG_B = cfg(warps=2, rows=2)
+CFG_C = cfg(warps=8, rows=4)
+CFG_I = cfg(warps=16, rows=2)
+
+
+def entry(batch: int = 1, seq: int = 1, config: dict[str, int] | None = None,
+          dtype: str = "float16", dim: int = 64, **extra: Any) -> dict[str, Any]:
+    e: dict[str, Any] = {"dims": {"dim": dim}, "dtype": dtype, "batch": batch, "seq": seq,
+                         "config": dict(config or CFG_A)}
+    e.update(extra)
+    return e
+
+
+def doc(gpu_entries: dict[str, list[dict[str, Any]]], kernel: str = "rmsnorm") -> dict[str, Any]:
+    return {"schema_version": 1, "provenance": {"generator": "test"},
+            "gpus": {g: {kernel: es} for g, es in gpu_entries.items()}}
+
+
+def write(path: Path, document: dict[str, Any] | str) -> Path:
+    path.write_text(document if isinstance(document, str) else yaml.safe_dump(document))
+    return path
+
+
+def default_for(rows: int, gpu: str = "h100", dtype: str = "float16", dim: int = 64
+                ) -> dict[str, int]:
+    point = Point.make("rmsnorm", {"dim": dim}, 1, max(rows, 1), dtype)
+    return SPEC.canonical(SPEC.default_config(point, gpus.resolve(gpu)), point)
+
+
+def fusetune_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, fusetune.FusetuneWarning)]
+
+
+# ---- validation ----------------------------------------------------------------------------
+
+
+def test_valid_table_loads(tmp_path: Path) -> None:
+    path = write(tmp_path / "t.yaml", doc({
+        "h100-sxm": [entry(1, 1, CFG_A, time_us=3.5, default_us=4, triton="3.1", torch="2.4",
+                           backend="cuda", weights=""),
+                     entry(16, 1, CFG_B)],
+        "interpreter": [entry(1, 1, CFG_I)],
+    }))
+    t = fusetune.load_tables(path)
+    assert len(t) == 3
+    assert t.sources == [str(path)]
+    key = ("h100-sxm", "rmsnorm", (("dim", 64),), "float16", "")
+    assert t.groups[key] == [(1, CFG_A), (16, CFG_B)]
+
+
+def _bad_second_entry(change) -> dict[str, Any]:
+    d = doc({"h100-sxm": [entry(1, 1, CFG_A), entry(16, 1, CFG_B)]})
+    change(d["gpus"]["h100-sxm"]["rmsnorm"][1])
+    return d
+
+
+def _set_block(value: Any):
+    return lambda e: e["config"].__setitem__("BLOCK_D", value)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda e: e.pop("config"), r"missing field config"),
+        (_set_block(64.5), r"config: BLOCK_D=64\.5 must be a positive integer"),
+        (_set_block("64"), r"config: BLOCK_D='64' must be a positive integer"),
+        (_set_block(96), r"config: BLOCK_D=96 must be a power of two"),
+        (_set_block(True), r"BLOCK_D=True"),
+        (lambda e: e["config"].pop("ROWS"), r"missing ROWS"),
+        (lambda e: e["config"].__setitem__("SPLIT", 2), r"unknown SPLIT"),
+        (lambda e: e.__setitem__("note", "hand-tuned"), r"unknown field note"),
+        (lambda e: e.__setitem__("dtype", "float64"), r"dtype 'float64' is not one of"),
+        (lambda e: e.__setitem__("batch", 0), r"batch=0 must be a positive integer"),
+        (lambda e: e.__setitem__("dims", {"hidden": 64}), r"dims must be a mapping of dim"),
+        (lambda e: e["dims"].__setitem__("dim", -1), r"dims\.dim=-1"),
+        (lambda e: e.__setitem__("time_us", "fast"), r"time_us='fast' must be a number"),
+    ],
+    ids=["no-config", "float-block", "str-block", "non-pow2-block", "bool-block",
+         "missing-key", "unknown-key", "unknown-field", "bad-dtype", "zero-batch", "bad-dims",
+         "negative-dim", "str-time"],
+)
+def test_bad_entry_named_in_error(tmp_path: Path, change, match: str) -> None:
+    path = write(tmp_path / "bad.yaml", _bad_second_entry(change))
+    with pytest.raises(fusetune.TableError) as info:
+        fusetune.load_tables(path)
+    msg = str(info.value)
+    assert str(path) in msg
+    assert "gpus.h100-sxm.rmsnorm[1]" in msg
+    assert re.search(match, msg), msg
+
+
+def test_quoted_block_in_yaml_text_rejected(tmp_path: Path) -> None:
+    text = yaml.safe_dump(doc({"h100-sxm": [entry(1, 1, CFG_A), entry(16, 1, CFG_B)]}))
+    text = text.replace("BLOCK_D: 64", 'BLOCK_D: "64"', 2)
+    assert text.count('BLOCK_D: "64"') == 2
+    path = write(tmp_path / "q.yaml", text)
+    with pytest.raises(fusetune.TableError, match=r"gpus\.h100-sxm\.rmsnorm\[0\]: config: BLOCK_D"):
+        fusetune.load_tables(path)
+
+
+def test_unknown_kernel_named(tmp_path: Path) -> None:
+    path = write(tmp_path / "k.yaml", doc({"h100-sxm": [entry()]}, kernel="layernorm"))
+    with pytest.raises(fusetune.TableError,
+                       match=r"gpus\.h100-sxm\.layernorm: unknown kernel 'layernorm'; valid: "
+                             r"rmsnorm"):
+        fusetune.load_tables(path)
+
+
+@pytest.mark.parametrize("version", [2, 0, "1", None])
+def test_wrong_schema_version(tmp_path: Path, version: Any) -> None:
+    d = doc({"h100-sxm": [entry()]})
+    d["schema_version"] = version
+    path = write(tmp_path / "v.yaml", d)
+    with pytest.raises(fusetune.TableError, match=r"schema_version .* is not supported"):
+        fusetune.load_tables(path)
+
+
+@pytest.mark.parametrize("missing", ["schema_version", "provenance", "gpus"])
+def test_missing_top_level_field(tmp_path: Path, missing: str) -> None:
+    d = doc({"h100-sxm": [entry()]})
+    del d[missing]
+    with pytest.raises(fusetune.TableError, match=f"missing top-level field '{missing}'"):
+        fusetune.load_tables(write(tmp_path / "m.yaml", d))
+
+
+def test_python_tag_rejected_and_not_executed(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    text = yaml.safe_dump(doc({"h100-sxm": [entry(1, 1, CFG_A)]}))
+    evil = (f'gpus:\n  h100-sxm:\n    rmsnorm:\n    - dims: {{dim: 64}}\n      dtype: float16\n'
+            f'      batch: 1\n      seq: 1\n'
+            f'      config: !!python/object/apply:os.system ["touch {marker}"]\n')
+    text = text.split("gpus:")[0] + evil
+    path = write(tmp_path / "evil.yaml", text)
+    with pytest.raises(fusetune.TableError) as info:
+        fusetune.load_tables(path)
+    assert not marker.exists()
+    msg = str(info.value)
+    assert str(path) in msg
+    assert "python/object/apply:os.system" in msg
+    # the same with the brief's harmless command: rejected too
+    path2 = write(tmp_path / "evil2.yaml", text.replace(f"touch {marker}", "echo hi"))
+    with pytest.raises(fusetune.TableError, match="rejected"):
+        fusetune.load_tables(path2)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(fusetune.TableError, match="does not exist"):
+        fusetune.load_tables(tmp_path / "nope.yaml")
+
+
+def test_table_error_is_value_error() -> None:
+    assert issubclass(fusetune.TableError, ValueError)
+
+
+def test_failed_load_keeps_previous_tables(tmp_path: Path) -> None:
+    good = write(tmp_path / "good.yaml", doc({"h100-sxm": [entry(1, 1, CFG_B)]}))
+    bad = write(tmp_path / "bad.yaml", _bad_second_entry(lambda e: e.pop("config")))
+    fusetune.load_tables(good)
+    with pytest.raises(fusetune.TableError):
+        fusetune.load_tables(bad)
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_B
+
+
+# ---- lookup --------------------------------------------------------------------------------
+
+
+def test_exact_rows(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({
+        "h100-sxm": [entry(1, 1, CFG_A), entry(16, 1, CFG_B), entry(1, 512, CFG_C)]})))
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_A
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=16, gpu="h100") == CFG_B
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=512, gpu="h100-sxm") == CFG_C
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [(16, CFG_A),  # |log2 16 - 0| = 4 < |4 - 9| = 5
+     (22, CFG_A),  # 4.46 vs 4.54
+     (23, CFG_C),  # 4.52 vs 4.48
+     (32, CFG_C),  # 5 vs 4
+     (2, CFG_A), (300, CFG_C)],
+)
+def test_nearest_in_log2(tmp_path: Path, rows: int, expected: dict[str, int]) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({
+        "h100-sxm": [entry(1, 1, CFG_A), entry(1, 512, CFG_C)]})))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusetune.FusetuneWarning)  # in range: no warning
+        assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=rows, gpu="h100") == expected
+
+
+def test_outside_range_default_and_warns_once(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({
+        "h100-sxm": [entry(16, 1, CFG_A), entry(1, 512, CFG_C)]})))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        first = fusetune.lookup("rmsnorm", DIMS, "float16", rows=1024, gpu="h100")
+        assert first == default_for(1024)
+        assert first not in (CFG_A, CFG_C)
+        msgs = fusetune_warnings(record)
+        assert len(msgs) == 1
+        assert "h100-sxm" in msgs[0] and "tuned rows 16..512, asked 1024" in msgs[0]
+        # the same call again, and another uncovered row count of the same group: no warning
+        assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1024, gpu="h100") == first
+        assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, gpu="h100") == default_for(4)
+        assert len(fusetune_warnings(record)) == 1
+
+
+def test_other_dtype_uses_default(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({"h100-sxm": [entry(16, 1, CFG_C)]})))
+    with pytest.warns(fusetune.FusetuneWarning, match="no tuned entries"):
+        got = fusetune.lookup("rmsnorm", DIMS, "bfloat16", rows=16, gpu="h100")
+    assert got == default_for(16, dtype="bfloat16")
+    assert got != CFG_C
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=16, gpu="h100") == CFG_C
+
+
+def test_other_dims_use_default(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({"h100-sxm": [entry(16, 1, CFG_C)]})))
+    with pytest.warns(fusetune.FusetuneWarning):
+        got = fusetune.lookup("rmsnorm", {"dim": 128}, "float16", rows=16, gpu="h100")
+    assert got == default_for(16, dim=128)
+
+
+def test_env_var_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = write(tmp_path / "a.yaml", doc({"h100-sxm": [entry(1, 1, CFG_B)]}))
+    b = write(tmp_path / "b.yaml", doc({"h100-sxm": [entry(64, 1, CFG_C)]}))
+    monkeypatch.setenv(tables.ENV_VAR, str(a))
+    tables.reset()
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_B
+    monkeypatch.setenv(tables.ENV_VAR, os.pathsep.join([str(a), str(b)]))
+    tables.reset()
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_B
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=64, gpu="h100") == CFG_C
+
+
+def test_load_tables_replaces_env_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    a = write(tmp_path / "a.yaml", doc({"h100-sxm": [entry(1, 1, CFG_B)]}))
+    b = write(tmp_path / "b.yaml", doc({"h100-sxm": [entry(1, 1, CFG_C)]}))
+    monkeypatch.setenv(tables.ENV_VAR, str(a))
+    tables.reset()
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_B
+    fusetune.load_tables(b)
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_C
+
+
+def test_load_tables_overrides_shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shipped_text = yaml.safe_dump(doc({"h100-sxm": [entry(1, 1, CFG_A), entry(1, 512, CFG_A)]}))
+    monkeypatch.setattr(tables, "_shipped", tables.parse_tables(shipped_text, "shipped.yaml"))
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_A
+    fusetune.load_tables(write(tmp_path / "user.yaml", doc({
+        "h100-sxm": [entry(1, 1, CFG_B), entry(4, 1, CFG_B)]})))
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_B
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, gpu="h100") == CFG_B
+    # past the user table's range the shipped table still answers (no default heuristic)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusetune.FusetuneWarning)
+        assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=256, gpu="h100") == CFG_A
+
+
+def test_gpu_picks_its_entries(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({
+        "h100-sxm": [entry(4, 1, CFG_C)], "interpreter": [entry(4, 1, CFG_I)]})))
+    h100 = fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, gpu="h100")
+    interp = fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, gpu="interpreter")
+    assert h100 == CFG_C
+    assert interp == CFG_I
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, gpu="cpu") == CFG_I
+    with pytest.warns(fusetune.FusetuneWarning):
+        assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, gpu="3090") == default_for(
+            4, gpu="3090")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors map to the interpreter")
+def test_cpu_device_uses_interpreter_entries(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({
+        "h100-sxm": [entry(4, 1, CFG_C)], "interpreter": [entry(4, 1, CFG_I)]})))
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=4) == CFG_I
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=4,
+                           device=torch.device("cpu")) == CFG_I
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs the interpreter")
+def test_rmsnorm_launches_with_table_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    from fusetune.kernels import rmsnorm as mod
+
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({"interpreter": [entry(4, 1, CFG_I)]})))
+    seen: list[dict[str, int]] = []
+    real = mod._launch_2d
+    monkeypatch.setattr(mod, "_launch_2d", lambda x, w, y, eps, c: (seen.append(dict(c)),
+                                                                    real(x, w, y, eps, c)))
+    x = torch.randn(2, 2, 64, dtype=torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusetune.FusetuneWarning)
+        fusetune.rmsnorm(x, torch.ones(64, dtype=torch.float16))
+    assert seen == [CFG_I]
+
+
+def test_lookup_returns_a_copy(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({"h100-sxm": [entry(1, 1, CFG_B)]})))
+    got = fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100")
+    got["ROWS"] = 999
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_B
+
+
+def test_lookup_argument_errors() -> None:
+    with pytest.raises(ValueError, match="unknown dtype 'float64'"):
+        fusetune.lookup("rmsnorm", DIMS, "float64", rows=1, gpu="h100")
+    with pytest.raises(ValueError, match="rows=-1"):
+        fusetune.lookup("rmsnorm", DIMS, "float16", rows=-1, gpu="h100")
+    with pytest.raises(gpus.UnknownGpuError):
+        fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="v100")
+
+
+def test_reset_forgets_loaded_tables(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({"h100-sxm": [entry(1, 1, CFG_B)]})))
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_B
+    tables.reset()
+    with pytest.warns(fusetune.FusetuneWarning):
+        assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == default_for(1)
+
+
+def test_merge_keeps_rows_sorted(tmp_path: Path) -> None:
+    a = write(tmp_path / "a.yaml", doc({"h100-sxm": [entry(1, 512, CFG_C)]}))
+    b = write(tmp_path / "b.yaml", doc({"h100-sxm": [entry(1, 1, CFG_A), entry(64, 1, CFG_B)]}))
+    t = fusetune.load_tables(a, b)
+    key = ("h100-sxm", "rmsnorm", (("dim", 64),), "float16", "")
+    assert [r for r, _ in t.groups[key]] == [1, 64, 512]
+    assert t.sources == [str(a), str(b)]
+
+
+def test_cached_config_is_fast(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({"interpreter": [entry(4, 1, CFG_I)]})))
+    dims = (("dim", 64),)
+    device = torch.device("cpu")
+    first = tables.cached_config("rmsnorm", dims, "float16", 4, device=device)
+    assert first == CFG_I
+    n = 10000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tables.cached_config("rmsnorm", dims, "float16", 4, device=device)
+    avg_us = (time.perf_counter() - t0) / n * 1e6
+    assert avg_us < 20, f"cached_config takes {avg_us:.1f} µs per call"
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, gpu="interpreter")
+    avg_us = (time.perf_counter() - t0) / n * 1e6
+    assert avg_us < 20, f"lookup takes {avg_us:.1f} µs per call"
+
+
+def test_cached_config_is_shared_but_lookup_copies(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({"interpreter": [entry(4, 1, CFG_I)]})))
+    dims = (("dim", 64),)
+    a = tables.cached_config("rmsnorm", dims, "float16", 4, device="cpu")
+    b = tables.cached_config("rmsnorm", dims, "float16", 4, device="cpu")
+    assert a is b
+    c = fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, gpu="interpreter")
+    assert c == a and c is not a
+    assert copy.deepcopy(a) == CFG_I
+
+
+def test_lookup_accepts_string_devices(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({"interpreter": [entry(4, 1, CFG_I)]})))
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, device="cpu") == CFG_I
+    if torch.cuda.is_available():
+        want = fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, device=torch.device("cuda:0"))
+        assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, device="cuda:0") == want
+    else:
+        # the same answer as for torch.device("cuda:0"): no GPU, said plainly
+        with pytest.raises(RuntimeError, match="no CUDA GPU is visible"):
+            fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, device=torch.device("cuda:0"))
+        with pytest.raises(RuntimeError, match="no CUDA GPU is visible"):
+            fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, device="cuda:0")
+
+
+def test_gpu_aliases_in_tables_resolve_to_canonical_names(tmp_path: Path) -> None:
+    # A table written under an alias ("h100", "RTX 3090") serves the canonical GPU; a name
+    # outside the catalogue (a device-name slug) stays as written.
+    path = write(tmp_path / "t.yaml", doc({"h100": [entry(1, 1, CFG_B)],
+                                           "RTX 3090": [entry(1, 1, CFG_C)],
+                                           "nvidia-l40s": [entry(1, 1, CFG_I)]}))
+    t = fusetune.load_tables(path)
+    assert {k[0] for k in t.groups} == {"h100-sxm", "rtx-3090", "nvidia-l40s"}
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100-sxm") == CFG_B
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="3090") == CFG_C
