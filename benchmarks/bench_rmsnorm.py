@@ -1,6 +1,7 @@
 """RMSNorm side by side on one GPU, in one process: tuned (lookup table) vs the default heuristic
 vs torch eager vs torch.compile vs Liger Kernel (if installed) vs a device-to-device copy of the
-same bytes (the memory ceiling at that size). Medians of triton.testing.do_bench (L2 flushed).
+same bytes (the memory ceiling at that size). Medians of triton.testing.do_bench (L2 flushed)
+over CUDA-graph replays of each implementation, plus the Python-side cost of one call.
 
     python benchmarks/bench_rmsnorm.py --tables tables.yaml --dim 4096 \
         --rows 1,32,512,4096,16384 --dtype float16,bfloat16 --markdown out.md
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +47,30 @@ def _liger() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
 
 def median_us(fn: Callable[[], object]) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def as_graph(fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` captured in a CUDA graph: replays cost the GPU time of its kernels only, so a slow
+    Python launch path cannot leave the GPU idle inside the timed region (inference servers
+    launch these kernels from graphs too)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def host_us_per_call(fn: Callable[[], object], n: int = 2000) -> float:
+    """Python-side cost of one call (launch path, lookup included), without waiting for the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
 
 
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "copy")
@@ -89,7 +116,8 @@ def row(case: dict[str, object], t: dict[str, float | None]) -> tuple[str, dict[
         b = copy_bytes if k == "copy" else nbytes
         return f"{v:.1f} ({b / v / 1e6:.2f})"
 
-    tuned_bw, copy_bw = nbytes / t["tuned"], copy_bytes / t["copy"]
+    tuned_bw = nbytes / t["tuned"] if t["tuned"] else math.nan
+    copy_bw = copy_bytes / t["copy"] if t["copy"] else math.nan
     floor = nbytes / (FLOOR_TBS * 1e6)
     cfg = "/".join(str(case["tuned_cfg"][k]) for k in SPEC.config_keys)
     line = (f"| {case['dtype']} | {case['m']} | {nbytes / 1e6:.1f} | {floor:.1f} | "
@@ -108,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,32,512,4096,16384")
     ap.add_argument("--dtype", default="float16,bfloat16")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    ap.add_argument("--impls", default=",".join(IMPLS), help="implementations to time")
+    ap.add_argument("--no-graph", action="store_true",
+                    help="time the plain Python calls instead of CUDA-graph replays")
     ap.add_argument("--markdown", help="write the table here too")
     ap.add_argument("--json", help="write raw numbers here")
     args = ap.parse_args(argv)
@@ -121,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     compiled = torch.compile(eager_rmsnorm)
     d = args.dim
     head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
-            f"Triton {triton.__version__}, D={d}; µs (TB/s), medians of do_bench, L2 flushed")
+            f"Triton {triton.__version__}, D={d}; GPU µs (TB/s): medians of do_bench (L2 flushed) "
+            "over CUDA-graph replays, median of interleaved rounds")
     cols = ["dtype", "M", "MB moved", "floor µs", "tuned", "default", "eager", "compile",
             "liger", "copy", "tuned/copy BW", "tuned BLOCK_D/ROWS/warps/stages"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -129,13 +161,30 @@ def main(argv: list[str] | None = None) -> int:
     cases = [make_case(m, d, dt, gpu, compiled, liger) for dt in args.dtype.split(",")
              for m in (int(v) for v in args.rows.split(","))]
     # Warm every implementation at every shape first (torch.compile recompiles per shape),
-    # so no compilation or first-call work lands inside a timing.
+    # so no compilation or first-call work lands inside a timing; the host cost of each call
+    # is measured at the smallest shape, then every implementation is captured in a graph.
     for case in cases:
         for fn in case["fns"].values():
             if fn is not None:
                 fn()
                 fn()
     torch.cuda.synchronize()
+    host = {k: host_us_per_call(fn) for k, fn in cases[0]["fns"].items()
+            if fn is not None and k in args.impls.split(",")}
+    wanted = set(args.impls.split(","))
+    for case in cases:
+        for k, fn in case["fns"].items():
+            if k not in wanted:
+                case["fns"][k] = None
+            # The copy is timed as a plain call: its memcpy node made graph replays fault on
+            # the H100 machine, and its launch path is short enough not to starve the GPU.
+            if case["fns"][k] is None or args.no_graph or k == "copy":
+                continue
+            try:
+                case["fns"][k] = as_graph(fn)
+            except Exception as e:  # time the plain call instead, and say so
+                print(f"note: {k} at M={case['m']} could not be captured ({e}); timed "
+                      "without a graph", file=sys.stderr)
     # Rounds interleave the implementations; each figure is the median over rounds of
     # do_bench's median.
     samples: list[dict[str, list[float]]] = [{k: [] for k in IMPLS} for _ in cases]
@@ -149,12 +198,17 @@ def main(argv: list[str] | None = None) -> int:
         line, record = row(case, t)
         lines.append(line)
         raw.append(record)
+    c0 = cases[0]
+    lines += ["", f"Python-side cost of one call at {c0['dtype']} M={c0['m']} (µs of CPU, no "
+              "GPU wait; the GPU times above replay CUDA graphs, except the copy's, "
+              "and exclude it): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in host.items())]
     text = "\n".join(lines)
     print("\n" + text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps(raw, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": raw, "host_us": host}, indent=1))
     return 0
 
 

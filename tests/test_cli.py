@@ -292,9 +292,11 @@ def test_kill_9_then_resume(db_url: str, tmp_path: Path) -> None:
                 try:
                     with sqlite3.connect(db, timeout=60) as con:
                         n = con.execute("SELECT COUNT(*) FROM ft_results").fetchone()[0]
+                        running = con.execute(
+                            "SELECT COUNT(*) FROM trials WHERE state = 'RUNNING'").fetchone()[0]
                 except sqlite3.OperationalError:  # tables not created yet
-                    n = 0
-                if n >= 3:
+                    n = running = 0
+                if n >= 3 and running:  # kill in the middle of a trial, not between two
                     break
             time.sleep(0.05)
         assert n >= 3, "no 3 results within 120 s"

@@ -55,11 +55,10 @@ def _rmsnorm_kernel(
         cols = tl.arange(0, BLOCK_D)
         col_ok = cols < D  # BLOCK_D is a power of two >= D: mask the tail columns
         mask = row_ok[:, None] & col_ok[None, :]
-        # Masked lanes read 0, so they add nothing to the sum of squares. x is read once
-        # (evict it first from L2); every program reads the weight (keep it in L2).
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        w = tl.load(W + cols, mask=col_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        # Masked lanes read 0, so they add nothing to the sum of squares. (L2 eviction hints
+        # on these loads measured 2-3% slower at 16384 x 4096 on the H100: none here.)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [ROWS], float32
         y = x * rstd[:, None] * w[None, :]
         # Cast back to the output's element type only at the store.
@@ -78,10 +77,8 @@ def _rmsnorm_kernel(
             cols = off + tl.arange(0, BLOCK_D)
             col_ok = cols < D
             mask = row_ok[:, None] & col_ok[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            w = tl.load(W + cols, mask=col_ok, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
             y = x * rstd[:, None] * w[None, :]
             tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
