@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -184,6 +185,20 @@ def check_fits(res: Resources, gpu: GpuSpec) -> str | None:
     if res.regs_per_thread * res.threads > gpu.regs_per_block:
         return f"registers: ~{res.regs_per_thread}×{res.threads} > {gpu.regs_per_block} per block"
     return None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_device(t: torch.Tensor, kernel: str) -> None:
+    """CUDA tensors, or CPU tensors under the interpreter; a clear error otherwise."""
+    if t.device.type != "cuda" and not (t.device.type == "cpu" and interpreting()):
+        raise ValueError(
+            f"{kernel}: tensors are on {t.device}; fusetune's kernels run on CUDA tensors (or on "
+            "CPU tensors through Triton's interpreter: set TRITON_INTERPRET=1 before importing "
+            "fusetune)")
 
 
 def next_pow2(n: int) -> int:

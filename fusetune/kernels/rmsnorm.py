@@ -22,6 +22,7 @@ from fusetune.kernels._spec import (
     Point,
     Resources,
     Tensors,
+    check_device,
     dtype_name,
     next_pow2,
     torch_dtype,
@@ -126,6 +127,7 @@ def rmsnorm(
         raise ValueError(f"rmsnorm: weight has shape {tuple(weight.shape)}, expected ({d},)")
     if weight.device != x.device:
         raise ValueError(f"rmsnorm: weight is on {weight.device}, x on {x.device}")
+    check_device(x, "rmsnorm")
     dtype = dtype_name(x.dtype)
     dtype_name(weight.dtype)  # raises for weight dtypes the kernel cannot read
     x2 = _as_rows(x, d)

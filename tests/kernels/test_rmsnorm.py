@@ -337,3 +337,10 @@ def test_spec_reference_matches_test_reference() -> None:
     out = SPEC.make_outputs(inputs)
     SPEC.launch(inputs, out, CFG_SINGLE)
     assert rel_err(out["y"], ref) <= TOL[torch.float32]
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        fusetune.rmsnorm(x, torch.ones(64))
