@@ -3,7 +3,7 @@ vs torch eager vs torch.compile vs Liger Kernel (if installed) vs a device-to-de
 same bytes (the memory ceiling at that size). Medians of triton.testing.do_bench (L2 flushed)
 over CUDA-graph replays of each implementation, plus the Python-side cost of one call.
 
-    python benchmarks/bench_rmsnorm.py --tables tables.yaml --dim 4096 \
+    python -m benchmarks.bench_rmsnorm --tables tables.yaml --dim 4096 \
         --rows 1,32,512,4096,16384 --dtype float16,bfloat16 --markdown out.md
 """
 
@@ -12,17 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
 
 import fusetune
+from benchmarks.timing import time_cases
 from fusetune.kernels._spec import Point
 from fusetune.kernels.rmsnorm import SPEC
 from fusetune.tables import gpu_for_device
@@ -43,34 +41,6 @@ def _liger() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     except Exception:
         return None
     return lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False)
-
-
-def median_us(fn: Callable[[], object]) -> float:
-    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def as_graph(fn: Callable[[], object]) -> Callable[[], object]:
-    """`fn` captured in a CUDA graph: replays cost the GPU time of its kernels only, so a slow
-    Python launch path cannot leave the GPU idle inside the timed region (inference servers
-    launch these kernels from graphs too)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def host_us_per_call(fn: Callable[[], object], n: int = 2000) -> float:
-    """Python-side cost of one call (launch path, lookup included), without waiting for the GPU."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    elapsed = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
 
 
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "copy")
@@ -160,41 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     raw = []
     cases = [make_case(m, d, dt, gpu, compiled, liger) for dt in args.dtype.split(",")
              for m in (int(v) for v in args.rows.split(","))]
-    # Warm every implementation at every shape first (torch.compile recompiles per shape),
-    # so no compilation or first-call work lands inside a timing; the host cost of each call
-    # is measured at the smallest shape, then every implementation is captured in a graph.
-    for case in cases:
-        for fn in case["fns"].values():
-            if fn is not None:
-                fn()
-                fn()
-    torch.cuda.synchronize()
-    host = {k: host_us_per_call(fn) for k, fn in cases[0]["fns"].items()
-            if fn is not None and k in args.impls.split(",")}
-    wanted = set(args.impls.split(","))
-    for case in cases:
-        for k, fn in case["fns"].items():
-            if k not in wanted:
-                case["fns"][k] = None
-            # The copy is timed as a plain call: its memcpy node made graph replays fault on
-            # the H100 machine, and its launch path is short enough not to starve the GPU.
-            if case["fns"][k] is None or args.no_graph or k == "copy":
-                continue
-            try:
-                case["fns"][k] = as_graph(fn)
-            except Exception as e:  # time the plain call instead, and say so
-                print(f"note: {k} at M={case['m']} could not be captured ({e}); timed "
-                      "without a graph", file=sys.stderr)
-    # Rounds interleave the implementations; each figure is the median over rounds of
-    # do_bench's median.
-    samples: list[dict[str, list[float]]] = [{k: [] for k in IMPLS} for _ in cases]
-    for _ in range(args.rounds):
-        for case, acc in zip(cases, samples, strict=True):
-            for k, fn in case["fns"].items():
-                if fn is not None:
-                    acc[k].append(median_us(fn))
-    for case, acc in zip(cases, samples, strict=True):
-        t = {k: (statistics.median(v) if v else None) for k, v in acc.items()}
+    medians, host = time_cases(cases, args.impls.split(","), args.rounds,
+                               graphs=not args.no_graph)
+    for case, t in zip(cases, medians, strict=True):
         line, record = row(case, t)
         lines.append(line)
         raw.append(record)

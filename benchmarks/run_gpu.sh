@@ -20,5 +20,5 @@ python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest_gp
 python3 -m fusetune.cli search --kernel rmsnorm --gpu "$gpu" --model llama-2-7b "${grid[@]}" \
   --db "$db" 2>&1 | tee "$out/search.log"
 python3 -m fusetune.cli export "$out/tables.yaml" --gpu "$gpu" --db "$db"
-python3 benchmarks/bench_rmsnorm.py --tables "$out/tables.yaml" --rows "$rows" \
+python3 -m benchmarks.bench_rmsnorm --tables "$out/tables.yaml" --rows "$rows" \
   --markdown "$out/bench.md" --json "$out/bench.json" 2>&1 | tee "$out/bench.log"

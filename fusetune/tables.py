@@ -77,8 +77,8 @@ def _entry(raw: Any, where: str, spec: Any, gpu: str) -> tuple[GroupKey, int, Co
         raise TableError(f"{where}: dims must be a mapping of {', '.join(spec.dim_names)}, "
                          f"got {dims!r}")
     for k, v in dims.items():
-        if not _is_int(v) or v < 1:
-            raise TableError(f"{where}: dims.{k}={v!r} must be a positive integer")
+        if not _is_int(v) or v < 0:
+            raise TableError(f"{where}: dims.{k}={v!r} must be a non-negative integer")
     if raw["dtype"] not in DTYPES:
         raise TableError(f"{where}: dtype {raw['dtype']!r} is not one of {', '.join(DTYPES)}")
     for k in ("batch", "seq"):

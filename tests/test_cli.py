@@ -365,3 +365,27 @@ def test_runtime_import_does_not_load_optuna_or_sqlalchemy(tmp_path: Path) -> No
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "clean"
+
+
+@pytest.mark.slow
+def test_rope_search_export_lookup(db_url: str, tmp_path: Path, fresh_tables: None) -> None:
+    # The half-split layout is a dim of the point (interleaved=0), tuned and looked up apart
+    # from the interleaved one.
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusetune.cli", "search", "--kernel", "rope", "--backend",
+         "interpreter", "--db", db_url, "--dims", "heads=3,head_dim=16,interleaved=0",
+         "--batch", "2", "--seq", "3", "--dtype", "float16", "--trials", "4"],
+        cwd=tmp_path, env=interp_env(), capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "tables.yaml"
+    exported = invoke("export", str(out), "--db", db_url, "--kernel", "rope")
+    assert exported.exit_code == 0, exported.output
+    fusetune.load_tables(out)
+    ((p, w),) = Store(db_url).winners(kernel="rope")
+    assert (p.batch, p.seq) == (2, 3)
+    dims = {"heads": 3, "head_dim": 16, "interleaved": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusetune.FusetuneWarning)
+        assert fusetune.lookup("rope", dims, "float16", rows=6, gpu="interpreter") == w.config
+    with pytest.warns(fusetune.FusetuneWarning, match="interleaved=1"):
+        fusetune.lookup("rope", {**dims, "interleaved": 1}, "float16", rows=6, gpu="interpreter")

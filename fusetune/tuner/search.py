@@ -111,8 +111,8 @@ def parse_dims(spec_dim_names: Sequence[str], model: str | None, dim: int | None
     if sorted(out) != sorted(spec_dim_names):
         raise SearchError(f"dims {out} do not match this kernel's {', '.join(spec_dim_names)}")
     for k, v in out.items():
-        if v < 1:
-            raise SearchError(f"{k}={v} must be a positive integer")
+        if v < 0:
+            raise SearchError(f"{k}={v} must be a non-negative integer")
     return out
 
 

@@ -1,0 +1,167 @@
+"""RoPE side by side on one GPU, in one process: tuned (lookup table) vs the default heuristic vs
+torch eager (Llama's complex-number code for interleaved pairs, Hugging Face's rotate_half for
+half-split) vs torch.compile of it vs Liger Kernel (half-split only; it rotates q and k together,
+so its row counts twice the bytes) vs a device-to-device copy of the same bytes.
+
+    python -m benchmarks.bench_rope --tables tables.yaml --shapes 1x4096x32x128,8x4096x32x128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+import fusetune
+from benchmarks.timing import time_cases
+from fusetune.kernels._spec import Point
+from fusetune.kernels.rope import SPEC, _reference
+from fusetune.tables import gpu_for_device
+
+FLOOR_TBS = 3.0
+IMPLS = ("tuned", "default", "eager", "compile", "liger", "copy")
+
+
+def llama_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Llama's apply_rotary_emb for one tensor: pairs (2i, 2i+1) as complex numbers."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs_cis).flatten(3).type_as(x)
+
+
+def hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's apply_rotary_pos_emb for one tensor: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def tables_for(seq: int, d: int, start_pos: int, theta: float, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cos/sin tables the eager implementations read (built once, outside the timing)."""
+    freqs = theta ** (-torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+    pos = torch.arange(start_pos, start_pos + seq, device="cuda", dtype=torch.float32)
+    angle = torch.outer(pos, freqs)  # [S, D/2]
+    freqs_cis = torch.polar(torch.ones_like(angle), angle)[None, :, None, :]
+    emb = torch.cat((angle, angle), dim=-1)
+    cos, sin = emb.cos().to(dtype)[None, :, None, :], emb.sin().to(dtype)[None, :, None, :]
+    return freqs_cis, cos, sin
+
+
+def make_case(shape: tuple[int, int, int, int], interleaved: bool, dtype_name: str, gpu: Any,
+              compiled: dict[str, Callable[..., Any]]) -> dict[str, Any]:
+    b, s, h, d = shape
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    x = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+    y = torch.empty_like(x)
+    start = 0
+    dims = {"heads": h, "head_dim": d, "interleaved": int(interleaved)}
+    point = Point.make("rope", dims, b, s, dtype_name)
+    tuned_cfg = fusetune.lookup("rope", dims, dtype_name, rows=b * s)
+    default_cfg = SPEC.canonical(SPEC.default_config(point, gpu), point)
+    ref = _reference({"x": x, "start_pos": start, "theta": 10000.0,
+                      "interleaved": interleaved})["y"]
+    out = fusetune.rope(x, start, interleaved=interleaved)
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < SPEC.tolerance[dtype_name], f"tuned rope wrong: rel err {err}"
+    freqs_cis, cos, sin = tables_for(s, d, start, 10000.0, dtype)
+    if interleaved:
+        eager = lambda: llama_rope(x, freqs_cis)
+        comp = lambda: compiled["llama"](x, freqs_cis)
+        liger = None
+    else:
+        eager = lambda: hf_rope(x, cos, sin)
+        comp = lambda: compiled["hf"](x, cos, sin)
+        liger = _liger_fn(x, cos[:, :, 0, :], sin[:, :, 0, :])
+    fns = {
+        "tuned": lambda: fusetune.rope(x, start, interleaved=interleaved),
+        "default": lambda: fusetune.rope(x, start, interleaved=interleaved, config=default_cfg),
+        "eager": eager, "compile": comp, "liger": liger,
+        "copy": lambda: y.copy_(x),
+    }
+    nbytes = 2 * x.numel() * x.element_size()
+    return {"shape": shape, "interleaved": interleaved, "dtype": dtype_name, "fns": fns,
+            "tuned_cfg": tuned_cfg, "default_cfg": default_cfg, "rel_err": err,
+            "bytes": nbytes}
+
+
+def _liger_fn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Callable[[], Any] | None:
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except Exception:
+        return None
+    # Liger takes q, k as [B, H, S, D] views and rotates both (in place): q and k are two
+    # tensors of x's shape here, so it moves twice the bytes of one.
+    q, k = x.clone().transpose(1, 2), x.clone().transpose(1, 2)
+    return lambda: LigerRopeFunction.apply(q, k, cos, sin)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tables", help="lookup table (fusetune export); default: shipped tables")
+    ap.add_argument("--shapes", default="1x4096x32x128,8x4096x32x128",
+                    help="BxSxHxD shapes, comma-separated")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--layouts", default="interleaved,half")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--markdown")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.tables:
+        fusetune.load_tables(args.tables)
+    gpu = gpu_for_device(torch.device("cuda"))
+    compiled = {"llama": torch.compile(llama_rope), "hf": torch.compile(hf_rope)}
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    cases = [make_case(shape, layout == "interleaved", dt, gpu, compiled)
+             for dt in args.dtype.split(",") for layout in args.layouts.split(",")
+             for shape in shapes]
+    medians, host = time_cases(cases, IMPLS, args.rounds)
+    head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
+            f"Triton {triton.__version__}; GPU µs (TB/s): medians of do_bench (L2 flushed) over "
+            "CUDA-graph replays (the copy: plain calls), median of interleaved rounds")
+    cols = ["layout", "dtype", "B×S×H×D", "MB moved", "floor µs", "tuned", "default", "eager",
+            "compile", "liger (q+k)", "copy", "tuned/copy BW", "tuned BLOCK_T/BLOCK_H/warps"]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    raw = []
+    for case, t in zip(cases, medians, strict=True):
+        nb = case["bytes"]
+
+        def cell(k: str, t: dict[str, float | None] = t, nb: int = nb) -> str:
+            v = t[k]
+            if v is None:
+                return "-"
+            b = 2 * nb if k == "liger" else nb
+            return f"{v:.1f} ({b / v / 1e6:.2f})"
+
+        ratio = t["copy"] / t["tuned"] if t["tuned"] and t["copy"] else float("nan")
+        cfg = "/".join(str(case["tuned_cfg"][k]) for k in SPEC.config_keys)
+        layout = "interleaved" if case["interleaved"] else "half-split"
+        lines.append(f"| {layout} | {case['dtype']} | {'×'.join(map(str, case['shape']))} | "
+                     f"{nb / 1e6:.0f} | {nb / (FLOOR_TBS * 1e6):.1f} | "
+                     + " | ".join(cell(k) for k in IMPLS) + f" | {100 * ratio:.0f}% | {cfg} |")
+        raw.append({"layout": layout, "dtype": case["dtype"], "shape": case["shape"],
+                    "bytes": nb, "us": t, "tuned_config": case["tuned_cfg"],
+                    "default_config": case["default_cfg"], "rel_err": case["rel_err"]})
+    lines += ["", "Python-side cost of one call at the first row (µs of CPU): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in host.items())]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": raw, "host_us": host}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        sys.exit(main())

@@ -1,0 +1,85 @@
+"""Side-by-side GPU timing shared by the benchmark scripts.
+
+Every implementation is warmed at every shape first, its Python-side cost per call is measured
+once, then it is captured in a CUDA graph and timed with triton.testing.do_bench (L2 flushed)
+in interleaved rounds; each figure is the median over rounds of do_bench's median.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from triton.testing import do_bench
+
+Fn = Callable[[], object]
+# A plain copy is timed without a graph: its memcpy node made graph replays fault on the H100
+# machine, and its launch path is short enough not to leave the GPU idle.
+PLAIN = frozenset({"copy"})
+
+
+def median_us(fn: Fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def as_graph(fn: Fn) -> Fn:
+    """`fn` captured in a CUDA graph: replays cost the GPU time of its kernels only, so a slow
+    Python launch path cannot leave the GPU idle inside the timed region (inference servers
+    launch these kernels from graphs too)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def host_us_per_call(fn: Fn, n: int = 2000) -> float:
+    """Python-side cost of one call (launch path, lookup included), without waiting for the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
+
+
+def time_cases(cases: Sequence[dict[str, Any]], impls: Sequence[str], rounds: int = 3,
+               graphs: bool = True) -> tuple[list[dict[str, float | None]], dict[str, float]]:
+    """Times `case["fns"][impl]` for every case; returns per-case medians (None where an impl
+    is missing) and the Python-side µs per call of each impl at the first case."""
+    for case in cases:
+        for k in list(case["fns"]):
+            if k not in impls:
+                case["fns"][k] = None
+        for fn in case["fns"].values():
+            if fn is not None:
+                fn()
+                fn()
+    torch.cuda.synchronize()
+    host = {k: host_us_per_call(fn) for k, fn in cases[0]["fns"].items() if fn is not None}
+    if graphs:
+        for case in cases:
+            for k, fn in case["fns"].items():
+                if fn is None or k in PLAIN:
+                    continue
+                try:
+                    case["fns"][k] = as_graph(fn)
+                except Exception as e:  # time the plain call instead, and say so
+                    print(f"note: {k} could not be captured in a graph ({e}); timed as a plain "
+                          "call", file=sys.stderr)
+    samples: list[dict[str, list[float]]] = [{k: [] for k in impls} for _ in cases]
+    for _ in range(rounds):
+        for case, acc in zip(cases, samples, strict=True):
+            for k, fn in case["fns"].items():
+                if fn is not None:
+                    acc[k].append(median_us(fn))
+    medians = [{k: (statistics.median(v) if v else None) for k, v in acc.items()}
+               for acc in samples]
+    return medians, host
