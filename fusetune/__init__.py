@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["FusetuneWarning", "TableError", "load_tables", "lookup", "rmsnorm", "rope"]
+__all__ = ["FusetuneWarning", "TableError", "ffn", "load_tables", "lookup", "rmsnorm", "rope"]
 
 _LAZY = {
     "rmsnorm": ("fusetune.kernels.rmsnorm", "rmsnorm"),
+    "ffn": ("fusetune.kernels.ffn", "ffn"),
     "rope": ("fusetune.kernels.rope", "rope"),
     "load_tables": ("fusetune.tables", "load_tables"),
     "lookup": ("fusetune.tables", "lookup"),
@@ -25,6 +26,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from fusetune.kernels.ffn import ffn
     from fusetune.kernels.rmsnorm import rmsnorm
     from fusetune.kernels.rope import rope
     from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup

@@ -368,24 +368,31 @@ def test_runtime_import_does_not_load_optuna_or_sqlalchemy(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_rope_search_export_lookup(db_url: str, tmp_path: Path, fresh_tables: None) -> None:
-    # The half-split layout is a dim of the point (interleaved=0), tuned and looked up apart
-    # from the interleaved one.
+@pytest.mark.parametrize(("kernel", "dims"), [
+    # The RoPE layout is a dim of the point (interleaved=0), tuned and looked up apart from
+    # the interleaved one.
+    ("rope", {"heads": 3, "head_dim": 16, "interleaved": 0}),
+    ("ffn", {"dim": 64, "hidden": 48}),
+])
+def test_kernel_search_export_lookup(kernel: str, dims: dict[str, int], db_url: str,
+                                     tmp_path: Path, fresh_tables: None) -> None:
+    dims_arg = ",".join(f"{k}={v}" for k, v in dims.items())
     proc = subprocess.run(
-        [sys.executable, "-m", "fusetune.cli", "search", "--kernel", "rope", "--backend",
-         "interpreter", "--db", db_url, "--dims", "heads=3,head_dim=16,interleaved=0",
-         "--batch", "2", "--seq", "3", "--dtype", "float16", "--trials", "4"],
+        [sys.executable, "-m", "fusetune.cli", "search", "--kernel", kernel, "--backend",
+         "interpreter", "--db", db_url, "--dims", dims_arg, "--batch", "2", "--seq", "3",
+         "--dtype", "float16", "--trials", "4"],
         cwd=tmp_path, env=interp_env(), capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "tables.yaml"
-    exported = invoke("export", str(out), "--db", db_url, "--kernel", "rope")
+    exported = invoke("export", str(out), "--db", db_url, "--kernel", kernel)
     assert exported.exit_code == 0, exported.output
     fusetune.load_tables(out)
-    ((p, w),) = Store(db_url).winners(kernel="rope")
+    ((p, w),) = Store(db_url).winners(kernel=kernel)
     assert (p.batch, p.seq) == (2, 3)
-    dims = {"heads": 3, "head_dim": 16, "interleaved": 0}
+    assert sum(1 for r in Store(db_url).results(p.id).values() if r.status == "ok") >= 4
     with warnings.catch_warnings():
         warnings.simplefilter("error", fusetune.FusetuneWarning)
-        assert fusetune.lookup("rope", dims, "float16", rows=6, gpu="interpreter") == w.config
-    with pytest.warns(fusetune.FusetuneWarning, match="interleaved=1"):
-        fusetune.lookup("rope", {**dims, "interleaved": 1}, "float16", rows=6, gpu="interpreter")
+        assert fusetune.lookup(kernel, dims, "float16", rows=6, gpu="interpreter") == w.config
+    other = {k: v + 2 for k, v in dims.items()}
+    with pytest.warns(fusetune.FusetuneWarning, match="no tuned config"):
+        fusetune.lookup(kernel, other, "float16", rows=6, gpu="interpreter")

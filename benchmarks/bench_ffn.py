@@ -1,0 +1,119 @@
+"""Fused feed-forward gate side by side on one GPU, in one process: tuned (lookup table) vs the
+default heuristic vs torch eager (Llama's RMSNorm, two nn.Linear, silu·mul) vs torch.compile of
+it vs the cuBLAS GEMM alone on the stacked [W1; W3] weight (what the fusion must not exceed).
+
+    python -m benchmarks.bench_ffn --tables tables.yaml --rows 1,16,128,1024,4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import fusetune
+from benchmarks.timing import time_cases
+from fusetune.kernels._spec import Point
+from fusetune.kernels.ffn import SPEC
+from fusetune.tables import gpu_for_device
+
+BW_TBS = 3.0  # measured copy ceiling of the H100
+PEAK_TFLOPS = 727.0  # measured cuBLAS fp16 4096^3
+IMPLS = ("tuned", "default", "eager", "compile", "gemm_alone")
+
+
+def eager_ffn(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+              eps: float = 1e-6) -> torch.Tensor:
+    """Llama's RMSNorm then the MLP gate, as applications run it."""
+    h = x.float()
+    xn = g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+    return F.silu(F.linear(xn, w1)) * F.linear(xn, w3)
+
+
+def make_case(m: int, d: int, hdim: int, dtype_name: str, gpu: Any,
+              compiled: Any) -> dict[str, Any]:
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    x = torch.randn(m, d, device="cuda", dtype=dtype)
+    g = (1 + 0.1 * torch.randn(d, device="cuda")).to(dtype)
+    w1 = (torch.randn(hdim, d, device="cuda") / d**0.5).to(dtype)
+    w3 = (torch.randn(hdim, d, device="cuda") / d**0.5).to(dtype)
+    w13 = torch.cat([w1, w3])
+    dims = {"dim": d, "hidden": hdim}
+    point = Point.make("ffn", dims, 1, m, dtype_name)
+    tuned_cfg = fusetune.lookup("ffn", dims, dtype_name, rows=m)
+    default_cfg = SPEC.canonical(SPEC.default_config(point, gpu), point)
+    ref = SPEC.reference({"x": x, "rms_weight": g, "w1": w1, "w3": w3, "eps": 1e-6})["h"]
+    out = fusetune.ffn(x, g, w1, w3)
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < SPEC.tolerance[dtype_name], f"tuned ffn wrong: rel err {err}"
+    fns = {
+        "tuned": lambda: fusetune.ffn(x, g, w1, w3),
+        "default": lambda: fusetune.ffn(x, g, w1, w3, config=default_cfg),
+        "eager": lambda: eager_ffn(x, g, w1, w3),
+        "compile": lambda: compiled(x, g, w1, w3),
+        "gemm_alone": lambda: F.linear(x, w13),
+    }
+    cost = SPEC.cost(point)
+    return {"m": m, "dtype": dtype_name, "fns": fns, "tuned_cfg": tuned_cfg,
+            "default_cfg": default_cfg, "rel_err": err, "bytes": cost.bytes,
+            "flops": cost.flops}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tables", help="lookup table (fusetune export); default: shipped tables")
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=11008)
+    ap.add_argument("--rows", default="1,16,128,1024,4096")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--markdown")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.tables:
+        fusetune.load_tables(args.tables)
+    gpu = gpu_for_device(torch.device("cuda"))
+    compiled = torch.compile(eager_ffn)
+    cases = [make_case(int(m), args.dim, args.hidden, dt, gpu, compiled)
+             for dt in args.dtype.split(",") for m in args.rows.split(",")]
+    medians, host = time_cases(cases, IMPLS, args.rounds)
+    head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
+            f"Triton {triton.__version__}, dim {args.dim} -> hidden {args.hidden}; GPU µs: "
+            "medians of do_bench (L2 flushed) over CUDA-graph replays, median of rounds")
+    cols = ["dtype", "M", "floor µs", *IMPLS, "tuned/gemm", "tuned config M/N/K/G/w/s"]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    raw = []
+    for case, t in zip(cases, medians, strict=True):
+        floor = max(case["bytes"] / (BW_TBS * 1e6), case["flops"] / (PEAK_TFLOPS * 1e6))
+        ratio = t["tuned"] / t["gemm_alone"] if t["tuned"] and t["gemm_alone"] else float("nan")
+        cfg = "/".join(str(case["tuned_cfg"][k]) for k in SPEC.config_keys)
+        cells = [("-" if t[k] is None else f"{t[k]:.1f}") for k in IMPLS]
+        lines.append(f"| {case['dtype']} | {case['m']} | {floor:.1f} | " + " | ".join(cells)
+                     + f" | {ratio:.2f} | {cfg} |")
+        raw.append({"dtype": case["dtype"], "M": case["m"], "us": t, "floor_us": floor,
+                    "tuned_config": case["tuned_cfg"], "default_config": case["default_cfg"],
+                    "rel_err": case["rel_err"]})
+    lines += ["", "Python-side cost of one call at the first row (µs of CPU): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in host.items())]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": raw, "host_us": host}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        sys.exit(main())

@@ -1,0 +1,287 @@
+"""Feed-forward gate of Llama-style MLPs, fused: h = silu(a) · b with
+a = rmsnorm(x)·W1ᵀ and b = rmsnorm(x)·W3ᵀ, in one pass over x.
+
+RMSNorm folds into the matmul: rmsnorm(x)·Wᵀ = rstd ⊙ ((x ⊙ g)·Wᵀ), with rstd = rsqrt(mean(x²)+eps)
+per row. Each program accumulates (x ⊙ g)·W1ᵀ and (x ⊙ g)·W3ᵀ for one [BLOCK_M, BLOCK_N] tile
+and the row sums of x² on the way (x is read once for both products); the epilogue scales by
+rstd and applies silu(a)·b in float32. Weights use nn.Linear's layout [hidden, dim].
+
+Tunables (search_spaces/ffn.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (programs that share
+weight tiles are launched together for L2 reuse), num_warps, num_stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from fusetune.gpus import GpuSpec
+from fusetune.kernels._spec import (
+    DTYPE_BYTES,
+    Config,
+    Cost,
+    KernelSpec,
+    Point,
+    Resources,
+    Tensors,
+    check_device,
+    check_fits,
+    dtype_name,
+    next_pow2,
+    torch_dtype,
+)
+from fusetune.models import ModelPreset
+
+
+@triton.jit
+def _ffn_kernel(
+    X,  # *[M, K] activations, row stride stride_xm, unit column stride
+    G,  # *[K] RMSNorm weight
+    W1,  # *[N, K] gate projection (nn.Linear layout), row stride stride_wn
+    W3,  # *[N, K] up projection, same layout and strides as W1
+    OUT,  # *[M, N] output, row stride stride_om
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
+):
+    # Grouped launch order: GROUP_M consecutive row-blocks walk the same column-blocks, so the
+    # weight tiles they share are read from L2 rather than from memory.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    # x tile [BLOCK_M, BLOCK_K]; weight tiles read transposed as [BLOCK_K, BLOCK_N] (W[n, k]).
+    x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    w_off = rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    w1_ptrs = W1 + w_off
+    w3_ptrs = W3 + w_off
+
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0  # the last K-step may be partial: masked lanes read 0
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
+        w1 = tl.load(w1_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        w3 = tl.load(w3_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sumsq += tl.sum(xf * xf, axis=1)
+        # x ⊙ g in float32, rounded back to the input type for the tensor cores.
+        xg = (xf * g.to(tl.float32)[None, :]).to(X.dtype.element_ty)
+        if IEEE:
+            acc1 = tl.dot(xg, w1, acc1, input_precision="ieee")
+            acc3 = tl.dot(xg, w3, acc3, input_precision="ieee")
+        else:
+            acc1 = tl.dot(xg, w1, acc1)
+            acc3 = tl.dot(xg, w3, acc3)
+        x_ptrs += BLOCK_K
+        w1_ptrs += BLOCK_K
+        w3_ptrs += BLOCK_K
+
+    rstd = tl.rsqrt(sumsq / K + eps)[:, None]
+    a = acc1 * rstd
+    b = acc3 * rstd
+    h = a * tl.sigmoid(a) * b  # silu(a) · b, float32
+    out_ptrs = OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out_ptrs, h.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+               out: torch.Tensor, eps: float, config: Config) -> None:
+    """Launches on x [M, K], weights [N, K] (unit column strides), out [M, N]."""
+    m, k = x.shape
+    n = w1.shape[0]
+    if m == 0 or n == 0:
+        return
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _ffn_kernel[grid](
+        x, g, w1, w3, out, m, n, k, x.stride(0), w1.stride(0), out.stride(0), eps,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+        IEEE=x.dtype == torch.float32,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
+def _as_rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    try:
+        t2 = t.view(-1, d)
+    except RuntimeError:  # leading dims not collapsible into one stride
+        t2 = t.reshape(-1, d)
+    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
+
+
+def ffn(
+    x: torch.Tensor,
+    rms_weight: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    config: Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """silu(rmsnorm(x)·W1ᵀ) · (rmsnorm(x)·W3ᵀ) for x [..., dim], W1 and W3 [hidden, dim].
+
+    Returns [..., hidden] in x's dtype. The config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    num_warps, num_stages) comes from the lookup tables unless `config` is given.
+    """
+    if x.ndim < 1:
+        raise ValueError("ffn: x must have at least one dimension")
+    d = x.shape[-1]
+    if rms_weight.shape != (d,):
+        raise ValueError(f"ffn: rms_weight has shape {tuple(rms_weight.shape)}, expected ({d},)")
+    if w1.ndim != 2 or w1.shape[1] != d or w3.shape != w1.shape:
+        raise ValueError(f"ffn: w1 and w3 must both be [hidden, {d}] (nn.Linear layout), got "
+                         f"{tuple(w1.shape)} and {tuple(w3.shape)}")
+    dtype = dtype_name(x.dtype)
+    for name, t in (("rms_weight", rms_weight), ("w1", w1), ("w3", w3)):
+        if t.device != x.device:
+            raise ValueError(f"ffn: {name} is on {t.device}, x on {x.device}")
+        if name != "rms_weight" and t.dtype != x.dtype:
+            raise TypeError(f"ffn: {name} is {t.dtype}, expected x's dtype {x.dtype}")
+    check_device(x, "ffn")
+    if w1.stride(-1) != 1 or w3.stride() != w1.stride():  # the kernel reads both with one stride
+        w1, w3 = w1.contiguous(), w3.contiguous()
+    hidden = w1.shape[0]
+    x2 = _as_rows(x, d)
+    out = torch.empty((*x.shape[:-1], hidden), dtype=x.dtype, device=x.device)
+    m = x2.shape[0]
+    if config is None:
+        from fusetune.tables import cached_config
+
+        cfg = cached_config("ffn", (("dim", d), ("hidden", hidden)), dtype, m, "", x.device)
+    else:
+        cfg = SPEC.validate_config(config)
+    _launch_2d(x2, rms_weight.contiguous(), w1, w3, out.view(-1, hidden), float(eps), cfg)
+    return out
+
+
+# ---- what the tuner needs -------------------------------------------------------------------
+
+
+def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
+    d, hdim = point.dim["dim"], point.dim["hidden"]
+    dtype = torch_dtype(point.dtype)
+    x = torch.randn(point.batch, point.seq, d, device=device)
+    g = 1.0 + 0.1 * torch.randn(d, device=device)
+    # nn.Linear's default init scale, so that a and b are O(1) like in a trained model.
+    w1 = torch.randn(hdim, d, device=device) / d**0.5
+    w3 = torch.randn(hdim, d, device=device) / d**0.5
+    return {"x": x.to(dtype), "rms_weight": g.to(dtype), "w1": w1.to(dtype),
+            "w3": w3.to(dtype), "eps": 1e-6}
+
+
+def _make_outputs(inputs: Tensors) -> Tensors:
+    x, w1 = inputs["x"], inputs["w1"]
+    return {"h": torch.empty((*x.shape[:-1], w1.shape[0]), dtype=x.dtype, device=x.device)}
+
+
+def _reference(inputs: Tensors) -> Tensors:
+    x = inputs["x"].float()
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + inputs["eps"])
+    xn = xn * inputs["rms_weight"].float()
+    a, b = xn @ inputs["w1"].float().T, xn @ inputs["w3"].float().T
+    return {"h": torch.nn.functional.silu(a) * b}
+
+
+def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
+    x, h = inputs["x"], outputs["h"]
+    _launch_2d(x.view(-1, x.shape[-1]), inputs["rms_weight"], inputs["w1"], inputs["w3"],
+               h.view(-1, h.shape[-1]), inputs["eps"], config)
+
+
+def _default_config(point: Point, gpu: GpuSpec) -> Config:
+    # Tutorial-style tiles: tall-skinny for decode, 128x128 for prefill; then fewer stages
+    # (and smaller tiles) until the GPU can hold it.
+    m = point.rows
+    if m <= 16:
+        c = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
+             "num_stages": 4}
+    elif m <= 128:
+        c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
+             "num_stages": 4}
+    else:
+        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
+             "num_stages": 3}
+    while check_fits(_resources(c, point), gpu) is not None:
+        if c["num_stages"] > 2:
+            c["num_stages"] -= 1
+        elif c["BLOCK_N"] > 32:
+            c["BLOCK_N"] //= 2
+        elif c["BLOCK_K"] > 32:
+            c["BLOCK_K"] //= 2
+        else:
+            break
+    return c
+
+
+def _canonical(config: Config, point: Point) -> Config:
+    # tl.dot needs at least 16 rows; more rows than the point has only add masked lanes.
+    c = dict(config)
+    c["BLOCK_M"] = min(c["BLOCK_M"], max(16, next_pow2(point.rows)))
+    c["BLOCK_N"] = min(c["BLOCK_N"], max(16, next_pow2(point.dim["hidden"])))
+    c["BLOCK_K"] = min(c["BLOCK_K"], max(16, next_pow2(point.dim["dim"])))
+    if -(-point.rows // c["BLOCK_M"]) == 1:
+        c["GROUP_M"] = 1  # one row of tiles: the launch order is the same for any group
+    return c
+
+
+def _resources(config: Config, point: Point) -> Resources:
+    elt = DTYPE_BYTES[point.dtype]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    threads = 32 * config["num_warps"]
+    # Software pipelining keeps num_stages x (x tile + two weight tiles) in shared memory.
+    smem = config["num_stages"] * (bm * bk + 2 * bk * bn) * elt
+    # Two float32 accumulators plus the operand fragments of one K-step.
+    regs = (2 * bm * bn + (bm * bk + 2 * bk * bn) * elt // 4) // threads + 40
+    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads)
+
+
+def _cost(point: Point) -> Cost:
+    m, d, hdim = point.rows, point.dim["dim"], point.dim["hidden"]
+    elt = DTYPE_BYTES[point.dtype]
+    return Cost(bytes=(m * d + 2 * hdim * d + m * hdim + d) * elt,
+                flops=2 * m * d * 2 * hdim + 6 * m * hdim)
+
+
+def _dims_from_model(model: ModelPreset) -> dict[str, int]:
+    return {"dim": model.dim, "hidden": model.hidden}
+
+
+SPEC = KernelSpec(
+    name="ffn",
+    description="RMSNorm -> x·W1ᵀ, x·W3ᵀ in one pass over x -> silu(a)·b",
+    dim_names=("dim", "hidden"),
+    config_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"),
+    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"),
+    make_inputs=_make_inputs,
+    make_outputs=_make_outputs,
+    reference=_reference,
+    launch=_launch,
+    default_config=_default_config,
+    resources=_resources,
+    cost=_cost,
+    canonical=_canonical,
+    dims_from_model=_dims_from_model,
+    tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
+    source_objects=(_ffn_kernel, _launch_2d),
+)

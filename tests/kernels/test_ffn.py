@@ -1,0 +1,146 @@
+"""fusetune.ffn (RMSNorm -> W1, W3 -> silu·mul) against plain torch (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fusetune
+from fusetune import gpus
+from fusetune.kernels import ffn as ffn_mod
+from fusetune.kernels._spec import ConfigError, Point, check_fits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
+SPEC = ffn_mod.SPEC
+
+
+def reference(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+              eps: float = 1e-6) -> torch.Tensor:
+    """Llama's RMSNorm followed by its MLP gate: silu(x W1ᵀ) * (x W3ᵀ), in float64."""
+    xd = x.double()
+    xn = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+    return torch.nn.functional.silu(xn @ w1.double().T) * (xn @ w3.double().T)
+
+
+def make(m: int, d: int, h: int, dtype: torch.dtype, seed: int = 0
+         ) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, d, generator=gen)
+    g = 1 + 0.1 * torch.randn(d, generator=gen)
+    w1 = torch.randn(h, d, generator=gen) / d**0.5
+    w3 = torch.randn(h, d, generator=gen) / d**0.5
+    return tuple(t.to(device=DEVICE, dtype=dtype) for t in (x, g, w1, w3))
+
+
+def check(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, **kw
+          ) -> torch.Tensor:
+    out = fusetune.ffn(x, g, w1, w3, **kw)
+    assert out.shape == (*x.shape[:-1], w1.shape[0]) and out.dtype == x.dtype
+    assert torch.isfinite(out).all()
+    ref = reference(x.cpu(), g.cpu(), w1.cpu(), w3.cpu(), kw.get("eps", 1e-6))
+    err = float((out.cpu().double() - ref).norm() / ref.norm())
+    assert err <= TOL[x.dtype], f"relative error {err:.3e} > {TOL[x.dtype]:.1e}"
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _tables(fresh_tables: None) -> None:
+    warnings.simplefilter("ignore", fusetune.FusetuneWarning)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("m", "d", "h"), [(1, 64, 96), (37, 100, 40), (3, 300, 72),
+                                           (16, 64, 64)])
+def test_matches_reference(m: int, d: int, h: int, dtype: torch.dtype) -> None:
+    check(*make(m, d, h, dtype))
+
+
+def test_awkward_width_d3000() -> None:
+    x, g, w1, w3 = make(2, 3000, 24, torch.float16)
+    check(x, g, w1, w3, config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1,
+                                "num_warps": 4, "num_stages": 2})
+
+
+@pytest.mark.parametrize("config", [
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 2, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
+     "num_stages": 2},
+])
+def test_configs_and_grouping(config: dict[str, int]) -> None:
+    # 70 rows x 80 hidden: several row- and column-blocks, partial tiles on both edges.
+    check(*make(70, 96, 80, torch.float16), config=config)
+
+
+def test_leading_shape_strides_and_eps() -> None:
+    x, g, w1, w3 = make(2 * 3, 64, 48, torch.float32)
+    out = check(x.view(2, 3, 64), g, w1, w3, eps=1e-2)
+    assert out.shape == (2, 3, 48)
+    wide = torch.cat([x, x], dim=1)[:, :64]  # strided rows
+    check(wide, g, w1, w3)
+    # Transposed weight storage still means [hidden, dim]; it is made contiguous.
+    check(x, g, w1.T.contiguous().T, w3)
+
+
+def test_bad_inputs() -> None:
+    x, g, w1, w3 = make(2, 64, 32, torch.float16)
+    with pytest.raises(ValueError, match="rms_weight has shape"):
+        fusetune.ffn(x, g[:8], w1, w3)
+    with pytest.raises(ValueError, match=r"nn\.Linear layout"):
+        fusetune.ffn(x, g, w1.T, w3)
+    with pytest.raises(ValueError, match=r"nn\.Linear layout"):
+        fusetune.ffn(x, g, w1, w3[:16])
+    with pytest.raises(TypeError, match=r"w3 is torch\.float32"):
+        fusetune.ffn(x, g, w1, w3.float())
+    with pytest.raises(ConfigError, match="GROUP_M"):
+        fusetune.ffn(x, g, w1, w3, config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32,
+                                            "num_warps": 2, "num_stages": 2})
+
+
+def test_empty_rows() -> None:
+    x, g, w1, w3 = make(0, 64, 32, torch.float16)
+    assert fusetune.ffn(x, g, w1, w3).shape == (0, 32)
+
+
+# ---- the spec -------------------------------------------------------------------------------
+
+
+def point(rows: int, d: int = 4096, h: int = 11008, dtype: str = "float16") -> Point:
+    return Point.make("ffn", {"dim": d, "hidden": h}, 1, rows, dtype)
+
+
+@pytest.mark.parametrize("gpu", ["3090", "a100", "h100", "l4"])
+@pytest.mark.parametrize("rows", [1, 64, 4096])
+def test_default_config_fits_every_gpu(gpu: str, rows: int) -> None:
+    p = point(rows)
+    spec_gpu = gpus.resolve(gpu)
+    c = SPEC.canonical(SPEC.default_config(p, spec_gpu), p)
+    assert SPEC.validate_config(c) == c
+    assert check_fits(SPEC.resources(c, p), spec_gpu) is None
+
+
+def test_canonical_and_resources() -> None:
+    p = point(1)
+    c = SPEC.canonical({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8,
+                        "num_warps": 4, "num_stages": 3}, p)
+    assert c["BLOCK_M"] == 16 and c["GROUP_M"] == 1
+    big = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
+           "num_stages": 4}
+    res = SPEC.resources(big, point(4096))
+    assert res.smem_bytes == 4 * (128 * 128 + 2 * 128 * 256) * 2
+    assert check_fits(res, gpus.resolve("h100")) is not None  # 655 KB of stages: too much
+    cost = SPEC.cost(point(1))
+    assert cost.bytes > 2 * 11008 * 4096 * 2  # both weight matrices at least
+
+
+# ---- on the GPU -----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 37, 512])
+def test_gpu_llama_dims(dtype: torch.dtype, m: int) -> None:
+    check(*make(m, 4096, 11008, dtype))
