@@ -134,7 +134,7 @@ def test_gpu_without_dry_run_and_no_gpu(monkeypatch: pytest.MonkeyPatch, interpr
     ("args", "expected"),
     [
         (["search", "--kernel", "layernorm", "--dry-run"], ["unknown kernel 'layernorm'",
-                                                            "valid: rmsnorm"]),
+                                                            "valid: ffn, rmsnorm, rope"]),
         (["search", "--kernel", "rmsnorm", "--gpu", "v100", "--dry-run"],
          ["unknown GPU 'v100'", "rtx-3090", "h100-sxm", "h200"]),
         (["search", "--kernel", "rmsnorm", "--dry-run", "--dtype", "float64"],
