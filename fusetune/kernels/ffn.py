@@ -249,8 +249,15 @@ def _resources(config: Config, point: Point) -> Resources:
     elt = DTYPE_BYTES[point.dtype]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     threads = 32 * config["num_warps"]
-    # Software pipelining keeps num_stages x (x tile + two weight tiles) in shared memory.
-    smem = config["num_stages"] * (bm * bk + 2 * bk * bn) * elt
+    # Software pipelining keeps (num_stages - 1) x (x tile + two weight tiles) in shared
+    # memory, and the epilogue stages the [BLOCK_M, BLOCK_N] output tile through it. Checked
+    # against Triton's own allocation for sm_90 (tests/kernels/test_ffn.py); float32 operands
+    # are laid out differently, so they get the looser num_stages x tiles.
+    tile = (bm * bk + 2 * bk * bn) * elt
+    if elt == 4:
+        smem = config["num_stages"] * tile
+    else:
+        smem = (config["num_stages"] - 1) * tile + bm * bn * elt + 1024
     # Two float32 accumulators plus the operand fragments of one K-step.
     regs = (2 * bm * bn + (bm * bk + 2 * bk * bn) * elt // 4) // threads + 40
     return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads)

@@ -130,10 +130,33 @@ def test_canonical_and_resources() -> None:
     big = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
            "num_stages": 4}
     res = SPEC.resources(big, point(4096))
-    assert res.smem_bytes == 4 * (128 * 128 + 2 * 128 * 256) * 2
+    assert res.smem_bytes == 3 * (128 * 128 + 2 * 128 * 256) * 2 + 128 * 256 * 2 + 1024
     assert check_fits(res, gpus.resolve("h100")) is not None  # 655 KB of stages: too much
     cost = SPEC.cost(point(1))
     assert cost.bytes > 2 * 11008 * 4096 * 2  # both weight matrices at least
+
+
+# Shared memory Triton 3.9 allocated when compiling the kernel for sm_90 (fp16/bf16, fp32):
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) -> bytes. The model must not predict less,
+# or configs that cannot run would be compiled.
+COMPILED_SMEM = {
+    "float16": {(16, 64, 128, 4, 4): 110848, (128, 128, 64, 8, 3): 131328,
+                (64, 256, 32, 8, 2): 69696},
+    "float32": {(16, 64, 128, 4, 4): 230912, (128, 128, 64, 8, 3): 229888,
+                (64, 256, 32, 8, 2): 82048},
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(COMPILED_SMEM))
+def test_smem_model_covers_the_compiler(dtype: str) -> None:
+    for (bm, bn, bk, w, st), actual in COMPILED_SMEM[dtype].items():
+        c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w,
+             "num_stages": st}
+        predicted = SPEC.resources(c, point(4096, dtype=dtype)).smem_bytes
+        # Close for 2-byte types (so that the pruning does not throw good configs away);
+        # float32 is rare and modelled loosely.
+        slack = 1.5 if dtype == "float16" else 2.0
+        assert actual <= predicted <= slack * actual, (c, predicted, actual)
 
 
 # ---- on the GPU -----------------------------------------------------------------------------
