@@ -8,9 +8,7 @@ it vs the cuBLAS GEMM alone on the stacked [W1; W3] weight (what the fusion must
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +16,7 @@ import torch.nn.functional as F
 import triton
 
 import fusetune
-from benchmarks.timing import time_cases
+from benchmarks.timing import report, time_cases
 from fusetune.kernels._spec import Point
 from fusetune.kernels.ffn import SPEC
 from fusetune.tables import gpu_for_device
@@ -103,14 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         raw.append({"dtype": case["dtype"], "M": case["m"], "us": t, "floor_us": floor,
                     "tuned_config": case["tuned_cfg"], "default_config": case["default_cfg"],
                     "rel_err": case["rel_err"]})
-    lines += ["", "Python-side cost of one call at the first row (µs of CPU): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in host.items())]
-    text = "\n".join(lines)
-    print("\n" + text)
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": raw, "host_us": host}, indent=1))
+    report(lines, raw, host, args.markdown, args.json)
     return 0
 
 

@@ -9,17 +9,15 @@ so its row counts twice the bytes) vs a device-to-device copy of the same bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 
 import fusetune
-from benchmarks.timing import time_cases
+from benchmarks.timing import report, time_cases
 from fusetune.kernels._spec import Point
 from fusetune.kernels.rope import SPEC, _reference
 from fusetune.tables import gpu_for_device
@@ -151,14 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         raw.append({"layout": layout, "dtype": case["dtype"], "shape": case["shape"],
                     "bytes": nb, "us": t, "tuned_config": case["tuned_cfg"],
                     "default_config": case["default_cfg"], "rel_err": case["rel_err"]})
-    lines += ["", "Python-side cost of one call at the first row (µs of CPU): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in host.items())]
-    text = "\n".join(lines)
-    print("\n" + text)
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": raw, "host_us": host}, indent=1))
+    report(lines, raw, host, args.markdown, args.json)
     return 0
 
 

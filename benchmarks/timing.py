@@ -7,10 +7,12 @@ in interleaved rounds; each figure is the median over rounds of do_bench's media
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,3 +85,16 @@ def time_cases(cases: Sequence[dict[str, Any]], impls: Sequence[str], rounds: in
     medians = [{k: (statistics.median(v) if v else None) for k, v in acc.items()}
                for acc in samples]
     return medians, host
+
+
+def report(lines: list[str], raw: list[dict[str, Any]], host: dict[str, float],
+           markdown: str | None, json_path: str | None) -> None:
+    """Prints the table (with the Python-side costs under it) and writes it where asked."""
+    lines = [*lines, "", "Python-side cost of one call at the first row (µs of CPU, not in "
+             "the GPU times): " + ", ".join(f"{k} {v:.1f}" for k, v in host.items())]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if markdown:
+        Path(markdown).write_text(text + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"rows": raw, "host_us": host}, indent=1))

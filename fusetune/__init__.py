@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["FusetuneWarning", "TableError", "ffn", "load_tables", "lookup", "rmsnorm", "rope"]
+__all__ = ["FusetuneWarning", "TableError", "ffn", "load_tables", "lola", "lookup", "rmsnorm",
+           "rope"]
 
 _LAZY = {
     "rmsnorm": ("fusetune.kernels.rmsnorm", "rmsnorm"),
     "ffn": ("fusetune.kernels.ffn", "ffn"),
+    "lola": ("fusetune.kernels.lola", "lola"),
     "rope": ("fusetune.kernels.rope", "rope"),
     "load_tables": ("fusetune.tables", "load_tables"),
     "lookup": ("fusetune.tables", "lookup"),
@@ -27,6 +29,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from fusetune.kernels.ffn import ffn
+    from fusetune.kernels.lola import lola
     from fusetune.kernels.rmsnorm import rmsnorm
     from fusetune.kernels.rope import rope
     from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup

@@ -134,7 +134,7 @@ def test_gpu_without_dry_run_and_no_gpu(monkeypatch: pytest.MonkeyPatch, interpr
     ("args", "expected"),
     [
         (["search", "--kernel", "layernorm", "--dry-run"], ["unknown kernel 'layernorm'",
-                                                            "valid: ffn, rmsnorm, rope"]),
+                                                            "valid: ffn, lola, rmsnorm, rope"]),
         (["search", "--kernel", "rmsnorm", "--gpu", "v100", "--dry-run"],
          ["unknown GPU 'v100'", "rtx-3090", "h100-sxm", "h200"]),
         (["search", "--kernel", "rmsnorm", "--dry-run", "--dtype", "float64"],
@@ -373,6 +373,7 @@ def test_runtime_import_does_not_load_optuna_or_sqlalchemy(tmp_path: Path) -> No
     # the interleaved one.
     ("rope", {"heads": 3, "head_dim": 16, "interleaved": 0}),
     ("ffn", {"dim": 64, "hidden": 48}),
+    ("lola", {"dim": 64, "out": 40}),
 ])
 def test_kernel_search_export_lookup(kernel: str, dims: dict[str, int], db_url: str,
                                      tmp_path: Path, fresh_tables: None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fusetune.kernels import ffn as _ffn
+from fusetune.kernels import lola as _lola
 from fusetune.kernels import rmsnorm as _rmsnorm
 from fusetune.kernels import rope as _rope
 from fusetune.kernels._spec import KernelSpec
@@ -10,6 +11,7 @@ from fusetune.kernels._spec import KernelSpec
 REGISTRY: dict[str, KernelSpec] = {
     _rmsnorm.SPEC.name: _rmsnorm.SPEC,
     _ffn.SPEC.name: _ffn.SPEC,
+    _lola.SPEC.name: _lola.SPEC,
     _rope.SPEC.name: _rope.SPEC,
 }
 

@@ -201,6 +201,15 @@ def check_device(t: torch.Tensor, kernel: str) -> None:
             "fusetune)")
 
 
+def as_rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    """[..., d] -> [M, d] with unit column stride, without copying when the strides allow it."""
+    try:
+        t2 = t.view(-1, d)
+    except RuntimeError:  # leading dims not collapsible into one stride
+        t2 = t.reshape(-1, d)
+    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

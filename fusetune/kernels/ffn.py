@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
+from fusetune.kernels._matmul import collapse_tiles, default_tiles, pipelined_smem
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -27,10 +28,9 @@ from fusetune.kernels._spec import (
     Point,
     Resources,
     Tensors,
+    as_rows,
     check_device,
-    check_fits,
     dtype_name,
-    next_pow2,
     torch_dtype,
 )
 from fusetune.models import ModelPreset
@@ -122,14 +122,6 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
     )
 
 
-def _as_rows(t: torch.Tensor, d: int) -> torch.Tensor:
-    try:
-        t2 = t.view(-1, d)
-    except RuntimeError:  # leading dims not collapsible into one stride
-        t2 = t.reshape(-1, d)
-    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
-
-
 def ffn(
     x: torch.Tensor,
     rms_weight: torch.Tensor,
@@ -162,7 +154,7 @@ def ffn(
     if w1.stride(-1) != 1 or w3.stride() != w1.stride():  # the kernel reads both with one stride
         w1, w3 = w1.contiguous(), w3.contiguous()
     hidden = w1.shape[0]
-    x2 = _as_rows(x, d)
+    x2 = as_rows(x, d)
     out = torch.empty((*x.shape[:-1], hidden), dtype=x.dtype, device=x.device)
     m = x2.shape[0]
     if config is None:
@@ -210,54 +202,18 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
-    # Tutorial-style tiles: tall-skinny for decode, 128x128 for prefill; then fewer stages
-    # (and smaller tiles) until the GPU can hold it.
-    m = point.rows
-    if m <= 16:
-        c = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-             "num_stages": 4}
-    elif m <= 128:
-        c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
-             "num_stages": 4}
-    else:
-        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
-             "num_stages": 3}
-    while check_fits(_resources(c, point), gpu) is not None:
-        if c["num_stages"] > 2:
-            c["num_stages"] -= 1
-        elif c["BLOCK_N"] > 32:
-            c["BLOCK_N"] //= 2
-        elif c["BLOCK_K"] > 32:
-            c["BLOCK_K"] //= 2
-        else:
-            break
-    return c
+    return default_tiles(point, gpu, _resources)
 
 
 def _canonical(config: Config, point: Point) -> Config:
-    # tl.dot needs at least 16 rows; more rows than the point has only add masked lanes.
-    c = dict(config)
-    c["BLOCK_M"] = min(c["BLOCK_M"], max(16, next_pow2(point.rows)))
-    c["BLOCK_N"] = min(c["BLOCK_N"], max(16, next_pow2(point.dim["hidden"])))
-    c["BLOCK_K"] = min(c["BLOCK_K"], max(16, next_pow2(point.dim["dim"])))
-    if -(-point.rows // c["BLOCK_M"]) == 1:
-        c["GROUP_M"] = 1  # one row of tiles: the launch order is the same for any group
-    return c
+    return collapse_tiles(config, point.rows, point.dim["hidden"], point.dim["dim"])
 
 
 def _resources(config: Config, point: Point) -> Resources:
     elt = DTYPE_BYTES[point.dtype]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     threads = 32 * config["num_warps"]
-    # Software pipelining keeps (num_stages - 1) x (x tile + two weight tiles) in shared
-    # memory, and the epilogue stages the [BLOCK_M, BLOCK_N] output tile through it. Checked
-    # against Triton's own allocation for sm_90 (tests/kernels/test_ffn.py); float32 operands
-    # are laid out differently, so they get the looser num_stages x tiles.
-    tile = (bm * bk + 2 * bk * bn) * elt
-    if elt == 4:
-        smem = config["num_stages"] * tile
-    else:
-        smem = (config["num_stages"] - 1) * tile + bm * bn * elt + 1024
+    smem = pipelined_smem(config, elt, n_weights=2, epilogue=True)
     # Two float32 accumulators plus the operand fragments of one K-step.
     regs = (2 * bm * bn + (bm * bk + 2 * bk * bn) * elt // 4) // threads + 40
     return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads)

@@ -22,6 +22,7 @@ from fusetune.kernels._spec import (
     Point,
     Resources,
     Tensors,
+    as_rows,
     check_device,
     dtype_name,
     next_pow2,
@@ -99,15 +100,6 @@ def _launch_2d(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, eps: floa
     )
 
 
-def _as_rows(t: torch.Tensor, d: int) -> torch.Tensor:
-    """[..., D] -> [M, D] with unit column stride, without copying when strides allow it."""
-    try:
-        t2 = t.view(-1, d)
-    except RuntimeError:  # leading dims not collapsible into one stride
-        t2 = t.reshape(-1, d)
-    return t2 if t2.stride(-1) == 1 or t2.shape[0] == 0 else t2.contiguous()
-
-
 def rmsnorm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -130,7 +122,7 @@ def rmsnorm(
     check_device(x, "rmsnorm")
     dtype = dtype_name(x.dtype)
     dtype_name(weight.dtype)  # raises for weight dtypes the kernel cannot read
-    x2 = _as_rows(x, d)
+    x2 = as_rows(x, d)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, d)
     m = x2.shape[0]

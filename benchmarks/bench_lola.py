@@ -1,0 +1,105 @@
+"""LayerNorm -> Linear -> GELU side by side on one GPU, in one process: tuned (lookup table) vs
+the default heuristic vs torch eager (F.layer_norm, F.linear, F.gelu) vs torch.compile of it vs
+the cuBLAS GEMM alone (x·Wᵀ, what the fusion must not exceed).
+
+    python -m benchmarks.bench_lola --tables tables.yaml --shapes 4096:768:3072,1:4096:16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import fusetune
+from benchmarks.timing import report, time_cases
+from fusetune.kernels._spec import Point
+from fusetune.kernels.lola import SPEC
+from fusetune.tables import gpu_for_device
+
+BW_TBS = 3.0  # measured copy ceiling of the H100
+PEAK_TFLOPS = 727.0  # measured cuBLAS fp16 4096^3
+IMPLS = ("tuned", "default", "eager", "compile", "gemm_alone")
+
+
+def eager_lola(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-5
+               ) -> torch.Tensor:
+    return F.gelu(F.linear(F.layer_norm(x, (x.shape[-1],), eps=eps), w, b))
+
+
+def make_case(m: int, d: int, n: int, dtype_name: str, gpu: Any, compiled: Any
+              ) -> dict[str, Any]:
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    x = torch.randn(m, d, device="cuda", dtype=dtype)
+    w = (torch.randn(n, d, device="cuda") / d**0.5).to(dtype)
+    b = (0.1 * torch.randn(n, device="cuda")).to(dtype)
+    dims = {"dim": d, "out": n}
+    point = Point.make("lola", dims, 1, m, dtype_name)
+    tuned_cfg = fusetune.lookup("lola", dims, dtype_name, rows=m)
+    default_cfg = SPEC.canonical(SPEC.default_config(point, gpu), point)
+    ref = SPEC.reference({"x": x, "weight": w, "bias": b, "eps": 1e-5})["y"]
+    out = fusetune.lola(x, w, b)
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < SPEC.tolerance[dtype_name], f"tuned lola wrong: rel err {err}"
+    fns = {
+        "tuned": lambda: fusetune.lola(x, w, b),
+        "default": lambda: fusetune.lola(x, w, b, config=default_cfg),
+        "eager": lambda: eager_lola(x, w, b),
+        "compile": lambda: compiled(x, w, b),
+        "gemm_alone": lambda: x @ w.T,
+    }
+    cost = SPEC.cost(point)
+    return {"shape": (m, d, n), "dtype": dtype_name, "fns": fns, "tuned_cfg": tuned_cfg,
+            "default_cfg": default_cfg, "rel_err": err, "bytes": cost.bytes,
+            "flops": cost.flops}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tables", help="lookup table (fusetune export); default: shipped tables")
+    ap.add_argument("--shapes", default="4096:768:3072,1:4096:16384,4096:4096:16384",
+                    help="M:in:out triples, comma-separated")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--markdown")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.tables:
+        fusetune.load_tables(args.tables)
+    gpu = gpu_for_device(torch.device("cuda"))
+    compiled = torch.compile(eager_lola)
+    shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
+    cases = [make_case(m, d, n, dt, gpu, compiled) for dt in args.dtype.split(",")
+             for m, d, n in shapes]
+    medians, host = time_cases(cases, IMPLS, args.rounds)
+    head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
+            f"Triton {triton.__version__}; GPU µs: medians of do_bench (L2 flushed) over "
+            "CUDA-graph replays, median of interleaved rounds")
+    cols = ["dtype", "M:in:out", "floor µs", *IMPLS, "tuned/gemm", "tuned config M/N/K/G/w/s"]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    raw = []
+    for case, t in zip(cases, medians, strict=True):
+        floor = max(case["bytes"] / (BW_TBS * 1e6), case["flops"] / (PEAK_TFLOPS * 1e6))
+        ratio = t["tuned"] / t["gemm_alone"] if t["tuned"] and t["gemm_alone"] else float("nan")
+        cfg = "/".join(str(case["tuned_cfg"][k]) for k in SPEC.config_keys)
+        cells = [("-" if t[k] is None else f"{t[k]:.1f}") for k in IMPLS]
+        lines.append(f"| {case['dtype']} | {':'.join(map(str, case['shape']))} | {floor:.1f} | "
+                     + " | ".join(cells) + f" | {ratio:.2f} | {cfg} |")
+        raw.append({"dtype": case["dtype"], "shape": case["shape"], "us": t, "floor_us": floor,
+                    "tuned_config": case["tuned_cfg"], "default_config": case["default_cfg"],
+                    "rel_err": case["rel_err"]})
+    report(lines, raw, host, args.markdown, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        sys.exit(main())

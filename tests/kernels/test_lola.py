@@ -1,0 +1,125 @@
+"""fusetune.lola (LayerNorm -> Linear -> exact GELU) against plain torch (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fusetune
+from fusetune import gpus
+from fusetune.kernels import lola as lola_mod
+from fusetune.kernels._spec import ConfigError, Point, check_fits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
+SPEC = lola_mod.SPEC
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-5
+              ) -> torch.Tensor:
+    """torch's two-pass LayerNorm (no affine), Linear, exact GELU, in float64."""
+    xd = x.double()
+    xn = torch.nn.functional.layer_norm(xd, (x.shape[-1],), eps=eps)
+    return torch.nn.functional.gelu(xn @ w.double().T + b.double())
+
+
+def make(m: int, d: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    # Rows with their own offset and scale, so that mean and variance both matter.
+    x = torch.randn(m, d, generator=gen) * (1 + torch.rand(m, 1, generator=gen)) \
+        + torch.randn(m, 1, generator=gen)
+    w = torch.randn(n, d, generator=gen) / d**0.5
+    b = 0.1 * torch.randn(n, generator=gen)
+    return tuple(t.to(device=DEVICE, dtype=dtype) for t in (x, w, b))
+
+
+def check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:
+    out = fusetune.lola(x, w, b, **kw)
+    assert out.shape == (*x.shape[:-1], w.shape[0]) and out.dtype == x.dtype
+    assert torch.isfinite(out).all()
+    ref = reference(x.cpu(), w.cpu(), b.cpu(), kw.get("eps", 1e-5))
+    err = float((out.cpu().double() - ref).norm() / ref.norm())
+    assert err <= TOL[x.dtype], f"relative error {err:.3e} > {TOL[x.dtype]:.1e}"
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _tables(fresh_tables: None) -> None:
+    warnings.simplefilter("ignore", fusetune.FusetuneWarning)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("m", "d", "n"), [(1, 64, 96), (37, 100, 40), (3, 300, 72),
+                                           (16, 64, 64)])
+def test_matches_reference(m: int, d: int, n: int, dtype: torch.dtype) -> None:
+    check(*make(m, d, n, dtype))
+
+
+def test_awkward_width_d3000() -> None:
+    check(*make(2, 3000, 24, torch.float16),
+          config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
+                  "num_stages": 2})
+
+
+@pytest.mark.parametrize("config", [
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 2, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "num_warps": 4, "num_stages": 3},
+])
+def test_configs_and_grouping(config: dict[str, int]) -> None:
+    check(*make(70, 96, 80, torch.float16), config=config)
+
+
+def test_mean_offset_eps_and_leading_shape() -> None:
+    x, w, b = make(6, 64, 48, torch.float32)
+    check(x + 20.0, w, b)  # a large common offset must cancel exactly as LayerNorm does
+    out = check(x.view(2, 3, 64), w, b, eps=1e-1)
+    assert out.shape == (2, 3, 48)
+    check(torch.cat([x, x], dim=1)[:, :64], w, b)  # strided rows
+
+
+def test_bad_inputs() -> None:
+    x, w, b = make(2, 64, 32, torch.float16)
+    with pytest.raises(ValueError, match=r"nn\.Linear layout"):
+        fusetune.lola(x, w.T, b)
+    with pytest.raises(ValueError, match="bias has shape"):
+        fusetune.lola(x, w, b[:3])
+    with pytest.raises(TypeError, match=r"weight is torch\.float32"):
+        fusetune.lola(x, w.float(), b)
+    with pytest.raises(ConfigError, match="BLOCK_K=48 must be a power of two"):
+        fusetune.lola(x, w, b, config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 48,
+                                       "GROUP_M": 1, "num_warps": 2, "num_stages": 2})
+
+
+def test_spec() -> None:
+    for gpu in ("3090", "h100"):
+        for rows in (1, 4096):
+            p = Point.make("lola", {"dim": 4096, "out": 16384}, 1, rows, "float16")
+            c = SPEC.canonical(SPEC.default_config(p, gpus.resolve(gpu)), p)
+            assert SPEC.validate_config(c) == c
+            assert check_fits(SPEC.resources(c, p), gpus.resolve(gpu)) is None
+    p = Point.make("lola", {"dim": 768, "out": 3072}, 1, 4096, "float16")
+    assert SPEC.cost(p).flops >= 2 * 4096 * 768 * 3072
+
+
+# Shared memory Triton 3.9 allocated for this kernel on sm_90:
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) -> bytes (fp16 and bf16 alike).
+COMPILED_SMEM = {(16, 64, 128, 4, 4): 61440, (128, 128, 64, 8, 3): 65536,
+                 (64, 256, 32, 8, 2): 20480}
+
+
+def test_smem_model_covers_the_compiler() -> None:
+    for (bm, bn, bk, w, st), actual in COMPILED_SMEM.items():
+        c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w,
+             "num_stages": st}
+        p = Point.make("lola", {"dim": 4096, "out": 16384}, 1, 4096, "float16")
+        predicted = SPEC.resources(c, p).smem_bytes
+        assert actual <= predicted <= 1.1 * actual, (c, predicted, actual)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("m", "d", "n"), [(1, 4096, 16384), (512, 768, 3072), (37, 768, 3072)])
+def test_gpu_gpt_dims(dtype: torch.dtype, m: int, d: int, n: int) -> None:
+    check(*make(m, d, n, dtype))
