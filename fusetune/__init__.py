@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["FusetuneWarning", "TableError", "ffn", "load_tables", "lola", "lookup", "rmsnorm",
-           "rope"]
+__all__ = ["FusetuneWarning", "TableError", "ffn", "load_tables", "lola", "lookup", "qkv",
+           "rmsnorm", "rope"]
 
 _LAZY = {
     "rmsnorm": ("fusetune.kernels.rmsnorm", "rmsnorm"),
     "ffn": ("fusetune.kernels.ffn", "ffn"),
     "lola": ("fusetune.kernels.lola", "lola"),
+    "qkv": ("fusetune.kernels.qkv", "qkv"),
     "rope": ("fusetune.kernels.rope", "rope"),
     "load_tables": ("fusetune.tables", "load_tables"),
     "lookup": ("fusetune.tables", "lookup"),
@@ -30,6 +31,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from fusetune.kernels.ffn import ffn
     from fusetune.kernels.lola import lola
+    from fusetune.kernels.qkv import qkv
     from fusetune.kernels.rmsnorm import rmsnorm
     from fusetune.kernels.rope import rope
     from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup

@@ -133,8 +133,8 @@ def test_gpu_without_dry_run_and_no_gpu(monkeypatch: pytest.MonkeyPatch, interpr
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["search", "--kernel", "layernorm", "--dry-run"], ["unknown kernel 'layernorm'",
-                                                            "valid: ffn, lola, rmsnorm, rope"]),
+        (["search", "--kernel", "layernorm", "--dry-run"],
+         ["unknown kernel 'layernorm'", "valid: ffn, lola, qkv, rmsnorm, rope"]),
         (["search", "--kernel", "rmsnorm", "--gpu", "v100", "--dry-run"],
          ["unknown GPU 'v100'", "rtx-3090", "h100-sxm", "h200"]),
         (["search", "--kernel", "rmsnorm", "--dry-run", "--dtype", "float64"],
@@ -374,6 +374,7 @@ def test_runtime_import_does_not_load_optuna_or_sqlalchemy(tmp_path: Path) -> No
     ("rope", {"heads": 3, "head_dim": 16, "interleaved": 0}),
     ("ffn", {"dim": 64, "hidden": 48}),
     ("lola", {"dim": 64, "out": 40}),
+    ("qkv", {"dim": 32, "head_dim": 8, "interleaved": 1, "n_heads": 4, "n_kv_heads": 2}),
 ])
 def test_kernel_search_export_lookup(kernel: str, dims: dict[str, int], db_url: str,
                                      tmp_path: Path, fresh_tables: None) -> None:

@@ -134,7 +134,7 @@ def test_unknown_kernel_named(tmp_path: Path) -> None:
     path = write(tmp_path / "k.yaml", doc({"h100-sxm": [entry()]}, kernel="layernorm"))
     with pytest.raises(fusetune.TableError,
                        match=r"gpus\.h100-sxm\.layernorm: unknown kernel 'layernorm'; valid: "
-                             r"ffn, lola, rmsnorm, rope"):
+                             r"ffn, lola, qkv, rmsnorm, rope"):
         fusetune.load_tables(path)
 
 

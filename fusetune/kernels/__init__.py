@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fusetune.kernels import ffn as _ffn
 from fusetune.kernels import lola as _lola
+from fusetune.kernels import qkv as _qkv
 from fusetune.kernels import rmsnorm as _rmsnorm
 from fusetune.kernels import rope as _rope
 from fusetune.kernels._spec import KernelSpec
@@ -12,6 +13,7 @@ REGISTRY: dict[str, KernelSpec] = {
     _rmsnorm.SPEC.name: _rmsnorm.SPEC,
     _ffn.SPEC.name: _ffn.SPEC,
     _lola.SPEC.name: _lola.SPEC,
+    _qkv.SPEC.name: _qkv.SPEC,
     _rope.SPEC.name: _rope.SPEC,
 }
 

@@ -245,7 +245,7 @@ def test_cuda_looping_bf16(config: dict[str, int]) -> None:
 def test_registry() -> None:
     assert REGISTRY["rmsnorm"] is SPEC
     assert get_spec("rmsnorm") is SPEC
-    with pytest.raises(ValueError, match="valid: ffn, lola, rmsnorm, rope"):
+    with pytest.raises(ValueError, match="valid: ffn, lola, qkv, rmsnorm, rope"):
         get_spec("layernorm")
 
 

@@ -1,0 +1,128 @@
+"""Fused QKV projection side by side on one GPU, in one process: tuned (lookup table) vs the
+default heuristic vs torch eager (Llama's RMSNorm, three nn.Linear, complex-number RoPE on q and
+k) vs torch.compile of it vs the cuBLAS GEMM alone on the stacked [Wq; Wk; Wv] weight.
+
+    python -m benchmarks.bench_qkv --tables tables.yaml --rows 1,16,4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import fusetune
+from benchmarks.timing import report, time_cases
+from fusetune.kernels._spec import Point
+from fusetune.kernels.qkv import SPEC
+from fusetune.tables import gpu_for_device
+
+BW_TBS = 3.0  # measured copy ceiling of the H100
+PEAK_TFLOPS = 727.0  # measured cuBLAS fp16 4096^3
+IMPLS = ("tuned", "default", "eager", "compile", "gemm_alone")
+
+
+def eager_qkv(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+              wv: torch.Tensor, freqs_cis: torch.Tensor, head_dim: int, eps: float = 1e-6
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Llama's attention input: RMSNorm, three projections, RoPE on q and k."""
+    h = x.float()
+    xn = g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+    b, s, _ = x.shape
+    q, k, v = (F.linear(xn, w).view(b, s, -1, head_dim) for w in (wq, wk, wv))
+
+    def rot(t: torch.Tensor) -> torch.Tensor:
+        tc = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+        return torch.view_as_real(tc * freqs_cis).flatten(3).type_as(t)
+
+    return rot(q), rot(k), v
+
+
+def make_case(m: int, dims: dict[str, int], dtype_name: str, gpu: Any, compiled: Any
+              ) -> dict[str, Any]:
+    dtype = getattr(torch, dtype_name)
+    d, hd = dims["dim"], dims["head_dim"]
+    torch.manual_seed(0)
+    x = torch.randn(1, m, d, device="cuda", dtype=dtype)
+    g = (1 + 0.1 * torch.randn(d, device="cuda")).to(dtype)
+    wq, wk, wv = ((torch.randn(n * hd, d, device="cuda") / d**0.5).to(dtype)
+                  for n in (dims["n_heads"], dims["n_kv_heads"], dims["n_kv_heads"]))
+    wqkv = torch.cat([wq, wk, wv])
+    freqs = 10000.0 ** (-torch.arange(0, hd, 2, device="cuda", dtype=torch.float32) / hd)
+    ang = torch.outer(torch.arange(m, device="cuda", dtype=torch.float32), freqs)
+    freqs_cis = torch.polar(torch.ones_like(ang), ang)[None, :, None, :]
+    point = Point.make("qkv", dims, 1, m, dtype_name)
+    tuned_cfg = fusetune.lookup("qkv", dims, dtype_name, rows=m)
+    default_cfg = SPEC.canonical(SPEC.default_config(point, gpu), point)
+    inputs = {"x": x, "rms_weight": g, "wq": wq, "wk": wk, "wv": wv, "start_pos": 0,
+              "theta": 10000.0, "eps": 1e-6, "head_dim": hd, "interleaved": True}
+    ref = SPEC.reference(inputs)
+    outs = fusetune.qkv(x, g, wq, wk, wv, head_dim=hd)
+    err = max(float((o.float() - ref[n]).norm() / ref[n].norm())
+              for o, n in zip(outs, "qkv", strict=True))
+    assert err < SPEC.tolerance[dtype_name], f"tuned qkv wrong: rel err {err}"
+    fns = {
+        "tuned": lambda: fusetune.qkv(x, g, wq, wk, wv, head_dim=hd),
+        "default": lambda: fusetune.qkv(x, g, wq, wk, wv, head_dim=hd, config=default_cfg),
+        "eager": lambda: eager_qkv(x, g, wq, wk, wv, freqs_cis, hd),
+        "compile": lambda: compiled(x, g, wq, wk, wv, freqs_cis, hd),
+        "gemm_alone": lambda: F.linear(x, wqkv),
+    }
+    cost = SPEC.cost(point)
+    return {"m": m, "dtype": dtype_name, "fns": fns, "tuned_cfg": tuned_cfg,
+            "default_cfg": default_cfg, "rel_err": err, "bytes": cost.bytes,
+            "flops": cost.flops, "weight_bytes": wqkv.numel() * wqkv.element_size()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tables", help="lookup table (fusetune export); default: shipped tables")
+    ap.add_argument("--model", default="llama-2-7b")
+    ap.add_argument("--rows", default="1,16,4096")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--markdown")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.tables:
+        fusetune.load_tables(args.tables)
+    from fusetune.models import preset
+
+    dims = SPEC.dims_from_model(preset(args.model))
+    gpu = gpu_for_device(torch.device("cuda"))
+    compiled = torch.compile(eager_qkv)
+    cases = [make_case(int(m), dims, dt, gpu, compiled)
+             for dt in args.dtype.split(",") for m in args.rows.split(",")]
+    medians, host = time_cases(cases, IMPLS, args.rounds)
+    head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
+            f"Triton {triton.__version__}, {args.model} {dims}; GPU µs: medians of do_bench "
+            "(L2 flushed) over CUDA-graph replays, median of interleaved rounds")
+    cols = ["dtype", "M", "floor µs", *IMPLS, "tuned/gemm", "weight TB/s",
+            "tuned config M/N/K/G/w/s"]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    raw = []
+    for case, t in zip(cases, medians, strict=True):
+        floor = max(case["bytes"] / (BW_TBS * 1e6), case["flops"] / (PEAK_TFLOPS * 1e6))
+        ratio = t["tuned"] / t["gemm_alone"] if t["tuned"] and t["gemm_alone"] else float("nan")
+        wbw = case["weight_bytes"] / t["tuned"] / 1e6 if t["tuned"] else float("nan")
+        cfg = "/".join(str(case["tuned_cfg"][k]) for k in SPEC.config_keys)
+        cells = [("-" if t[k] is None else f"{t[k]:.1f}") for k in IMPLS]
+        lines.append(f"| {case['dtype']} | {case['m']} | {floor:.1f} | " + " | ".join(cells)
+                     + f" | {ratio:.2f} | {wbw:.2f} | {cfg} |")
+        raw.append({"dtype": case["dtype"], "M": case["m"], "us": t, "floor_us": floor,
+                    "tuned_config": case["tuned_cfg"], "default_config": case["default_cfg"],
+                    "rel_err": case["rel_err"]})
+    report(lines, raw, host, args.markdown, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        sys.exit(main())

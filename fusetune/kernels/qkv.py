@@ -1,0 +1,350 @@
+"""The attention input projection, fused: RMSNorm -> Q, K, V projections -> RoPE on Q and K.
+
+    q, k, v = qkv(x, rms_weight, wq, wk, wv, start_pos, theta, eps, interleaved=True)
+
+x [batch, seq, dim]; wq [n_heads·head_dim, dim], wk and wv [n_kv_heads·head_dim, dim]
+(nn.Linear layout; n_kv_heads < n_heads is grouped-query attention); q [batch, seq, n_heads,
+head_dim], k and v [batch, seq, n_kv_heads, head_dim].
+
+One launch covers the three matrices. A program computes BLOCK_N rotation *pairs* of one
+matrix for BLOCK_M rows: two accumulators hold the two columns of each pair (2i, 2i+1 when
+interleaved, i and i + head_dim/2 otherwise), so RoPE is applied in the epilogue without any
+exchange between programs. RMSNorm folds into the matmul as in ffn.py (x ⊙ g in the K loop,
+rstd per row in the epilogue). V goes through the same code with a zero angle.
+
+Tunables (search_spaces/qkv.yaml): BLOCK_M, BLOCK_N (pairs per program), BLOCK_K, GROUP_M,
+num_warps, num_stages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from fusetune.gpus import GpuSpec
+from fusetune.kernels._matmul import collapse_tiles, default_tiles, pipelined_smem
+from fusetune.kernels._spec import (
+    DTYPE_BYTES,
+    Config,
+    Cost,
+    KernelSpec,
+    Point,
+    Resources,
+    Tensors,
+    check_device,
+    dtype_name,
+    torch_dtype,
+)
+from fusetune.models import ModelPreset
+
+
+@triton.jit
+def _qkv_kernel(
+    X,  # *[M, K] activations (M = batch·seq tokens), row stride stride_xm
+    G,  # *[K] RMSNorm weight
+    WQ, WK, WV,  # *[Nq, K], *[Nkv, K], *[Nkv, K] weights (nn.Linear layout, unit column stride)
+    OQ, OK, OV,  # *[M, Nq], *[M, Nkv], *[M, Nkv] outputs, contiguous
+    M, K, S,  # tokens, model width, sequence length (token m sits at position start_pos + m % S)
+    NQ_PAIRS, NKV_PAIRS,  # Nq / 2 and Nkv / 2
+    HALF,  # head_dim / 2: pairs per head
+    stride_xm, stride_wq, stride_wk, stride_wv,
+    start_pos,
+    neg_log2_theta_over_half,  # freq_i = 2 ** (i * this) = theta^(-2i/head_dim)
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # pairs per program
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
+):
+    # Column-blocks of the three matrices side by side: [Q blocks | K blocks | V blocks].
+    nb_q = tl.cdiv(NQ_PAIRS, BLOCK_N)
+    nb_kv = tl.cdiv(NKV_PAIRS, BLOCK_N)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = nb_q + 2 * nb_kv
+    # Grouped launch order (see ffn.py) over all column-blocks.
+    pid = tl.program_id(0)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+
+    # Which matrix this program works on; V is rotated by a zero angle (no RoPE).
+    if pid_n < nb_q:
+        W, Y, stride_w, n_pairs, blk, rope = WQ, OQ, stride_wq, NQ_PAIRS, pid_n, 1.0
+    elif pid_n < nb_q + nb_kv:
+        W, Y, stride_w, n_pairs, blk, rope = WK, OK, stride_wk, NKV_PAIRS, pid_n - nb_q, 1.0
+    else:
+        W, Y, stride_w, n_pairs, blk, rope = (WV, OV, stride_wv, NKV_PAIRS,
+                                              pid_n - nb_q - nb_kv, 0.0)
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # pair index within the matrix
+    m_ok = rm < M
+    p_ok = p < n_pairs
+    head = p // HALF
+    i = p % HALF  # pair index within the head: sets the frequency
+    if INTERLEAVED:
+        col_a = head * (2 * HALF) + 2 * i
+        col_b = col_a + 1
+    else:
+        col_a = head * (2 * HALF) + i
+        col_b = col_a + HALF
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    # Weight rows col_a and col_b, read transposed as [BLOCK_K, BLOCK_N] tiles.
+    wa_ptrs = W + col_a[None, :].to(tl.int64) * stride_w + rk[:, None]
+    wb_ptrs = W + col_b[None, :].to(tl.int64) * stride_w + rk[:, None]
+
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0  # partial last step: masked lanes read 0
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
+        wa = tl.load(wa_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
+        wb = tl.load(wb_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sumsq += tl.sum(xf * xf, axis=1)
+        xg = (xf * g.to(tl.float32)[None, :]).to(X.dtype.element_ty)
+        if IEEE:
+            acc_a = tl.dot(xg, wa, acc_a, input_precision="ieee")
+            acc_b = tl.dot(xg, wb, acc_b, input_precision="ieee")
+        else:
+            acc_a = tl.dot(xg, wa, acc_a)
+            acc_b = tl.dot(xg, wb, acc_b)
+        x_ptrs += BLOCK_K
+        wa_ptrs += BLOCK_K
+        wb_ptrs += BLOCK_K
+
+    rstd = tl.rsqrt(sumsq / K + eps)[:, None]
+    a = acc_a * rstd
+    b = acc_b * rstd
+    # RoPE: angle (start_pos + s) · theta^(-2i/head_dim), in float32.
+    pos = (start_pos + rm % S).to(tl.float32)
+    freq = tl.exp2(i.to(tl.float32) * neg_log2_theta_over_half)
+    angle = pos[:, None] * (freq * rope)[None, :]
+    cos = tl.cos(angle)
+    sin = tl.sin(angle)
+    ya = a * cos - b * sin
+    yb = a * sin + b * cos
+    # Outputs are contiguous [M, N]: row stride 2 · n_pairs.
+    o_row = Y + rm[:, None].to(tl.int64) * (2 * n_pairs)
+    mask = m_ok[:, None] & p_ok[None, :]
+    tl.store(o_row + col_a[None, :], ya.to(Y.dtype.element_ty), mask=mask)
+    tl.store(o_row + col_b[None, :], yb.to(Y.dtype.element_ty), mask=mask)
+
+
+def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+               wv: torch.Tensor, oq: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor, seq: int,
+               head_dim: int, start_pos: int, theta: float, eps: float, interleaved: bool,
+               config: Config) -> None:
+    """x [M, K]; weights [N, K] with unit column stride; outputs contiguous [M, N]."""
+    m, k = x.shape
+    if m == 0:
+        return
+    half = head_dim // 2
+    nq_pairs, nkv_pairs = wq.shape[0] // 2, wk.shape[0] // 2
+    bn = config["BLOCK_N"]
+    n_blocks = triton.cdiv(nq_pairs, bn) + 2 * triton.cdiv(nkv_pairs, bn)
+    grid = (triton.cdiv(m, config["BLOCK_M"]) * n_blocks,)
+    _qkv_kernel[grid](
+        x, g, wq, wk, wv, oq, ok, ov, m, k, seq, nq_pairs, nkv_pairs, half,
+        x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), start_pos,
+        -math.log2(theta) / half, eps,
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
+        GROUP_M=config["GROUP_M"], INTERLEAVED=interleaved, IEEE=x.dtype == torch.float32,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
+def qkv(
+    x: torch.Tensor,
+    rms_weight: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
+    start_pos: int = 0,
+    theta: float = 10000.0,
+    eps: float = 1e-6,
+    *,
+    head_dim: int | None = None,
+    interleaved: bool = True,
+    config: Mapping[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm(x) projected to q, k, v, with RoPE on q and k (see the module docstring).
+
+    `head_dim` defaults to 128 when it divides both projections' widths, else 64; pass it for
+    models with other head sizes (or where 64 divides but the heads are wider).
+    """
+    if x.ndim != 3:
+        raise ValueError(f"qkv: x must be [batch, seq, dim], got shape {tuple(x.shape)}")
+    bsz, seq, d = x.shape
+    if rms_weight.shape != (d,):
+        raise ValueError(f"qkv: rms_weight has shape {tuple(rms_weight.shape)}, expected ({d},)")
+    for name, w in (("wq", wq), ("wk", wk), ("wv", wv)):
+        if w.ndim != 2 or w.shape[1] != d:
+            raise ValueError(f"qkv: {name} must be [out_features, {d}] (nn.Linear layout), got "
+                             f"{tuple(w.shape)}")
+        if w.dtype != x.dtype:
+            raise TypeError(f"qkv: {name} is {w.dtype}, expected x's dtype {x.dtype}")
+        if w.device != x.device:
+            raise ValueError(f"qkv: {name} is on {w.device}, x on {x.device}")
+    if wv.shape != wk.shape:
+        raise ValueError(f"qkv: wk and wv must have the same shape, got {tuple(wk.shape)} and "
+                         f"{tuple(wv.shape)}")
+    nq, nkv = wq.shape[0], wk.shape[0]
+    if head_dim is None:  # the weights' shapes alone cannot tell 32 x 128 from 64 x 64
+        head_dim = next((h for h in (128, 64) if nq % h == 0 and nkv % h == 0), 0)
+        if not head_dim:
+            raise ValueError(f"qkv: cannot infer head_dim from wq's {nq} and wk's {nkv} output "
+                             "features; pass head_dim=")
+    if head_dim < 2 or head_dim % 2 or nq % head_dim or nkv % head_dim:
+        raise ValueError(f"qkv: head_dim={head_dim} must be even and divide wq's {nq} and "
+                         f"wk's {nkv} output features")
+    if start_pos < 0:
+        raise ValueError(f"qkv: start_pos={start_pos} must be >= 0")
+    dtype = dtype_name(x.dtype)
+    check_device(x, "qkv")
+    ws = [w if w.stride(-1) == 1 else w.contiguous() for w in (wq, wk, wv)]
+    x2 = x.reshape(bsz * seq, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q = torch.empty(bsz, seq, nq // head_dim, head_dim, dtype=x.dtype, device=x.device)
+    k = torch.empty(bsz, seq, nkv // head_dim, head_dim, dtype=x.dtype, device=x.device)
+    v = torch.empty_like(k)
+    if config is None:
+        from fusetune.tables import cached_config
+
+        dims = (("dim", d), ("head_dim", head_dim), ("interleaved", int(interleaved)),
+                ("n_heads", nq // head_dim), ("n_kv_heads", nkv // head_dim))
+        cfg = cached_config("qkv", dims, dtype, bsz * seq, "", x.device)
+    else:
+        cfg = SPEC.validate_config(config)
+    _launch_2d(x2, rms_weight.contiguous(), *ws, q.view(bsz * seq, nq), k.view(bsz * seq, nkv),
+               v.view(bsz * seq, nkv), seq, head_dim, int(start_pos), float(theta), float(eps),
+               bool(interleaved), cfg)
+    return q, k, v
+
+
+# ---- what the tuner needs -------------------------------------------------------------------
+
+
+def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
+    dm = point.dim
+    d, hd = dm["dim"], dm["head_dim"]
+    dtype = torch_dtype(point.dtype)
+    x = torch.randn(point.batch, point.seq, d, device=device)
+    g = 1.0 + 0.1 * torch.randn(d, device=device)
+
+    def w(n_heads: int) -> torch.Tensor:
+        return (torch.randn(n_heads * hd, d, device=device) / d**0.5).to(dtype)
+
+    return {"x": x.to(dtype), "rms_weight": g.to(dtype), "wq": w(dm["n_heads"]),
+            "wk": w(dm["n_kv_heads"]), "wv": w(dm["n_kv_heads"]), "start_pos": 5,
+            "theta": 10000.0, "eps": 1e-6, "head_dim": hd, "interleaved": bool(dm["interleaved"])}
+
+
+def _make_outputs(inputs: Tensors) -> Tensors:
+    x, hd = inputs["x"], inputs["head_dim"]
+    b, s = x.shape[:2]
+
+    def out(w: torch.Tensor) -> torch.Tensor:
+        return torch.empty(b, s, w.shape[0] // hd, hd, dtype=x.dtype, device=x.device)
+
+    return {"q": out(inputs["wq"]), "k": out(inputs["wk"]), "v": out(inputs["wv"])}
+
+
+def _rope_reference(t: torch.Tensor, start_pos: int, theta: float, interleaved: bool
+                    ) -> torch.Tensor:
+    from fusetune.kernels.rope import _reference as rope_reference
+
+    return rope_reference({"x": t, "start_pos": start_pos, "theta": theta,
+                           "interleaved": interleaved})["y"]
+
+
+def _reference(inputs: Tensors) -> Tensors:
+    x = inputs["x"].float()
+    hd = inputs["head_dim"]
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + inputs["eps"])
+    xn = xn * inputs["rms_weight"].float()
+    b, s = x.shape[:2]
+    q, k, v = (
+        (xn @ inputs[w].float().T).view(b, s, -1, hd) for w in ("wq", "wk", "wv")
+    )
+    rot = {"start_pos": inputs["start_pos"], "theta": inputs["theta"],
+           "interleaved": inputs["interleaved"]}
+    return {"q": _rope_reference(q, **rot), "k": _rope_reference(k, **rot), "v": v}
+
+
+def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
+    x = inputs["x"]
+    b, s, d = x.shape
+    q, k, v = outputs["q"], outputs["k"], outputs["v"]
+    _launch_2d(x.view(b * s, d), inputs["rms_weight"], inputs["wq"], inputs["wk"], inputs["wv"],
+               q.view(b * s, -1), k.view(b * s, -1), v.view(b * s, -1), s, inputs["head_dim"],
+               inputs["start_pos"], inputs["theta"], inputs["eps"], inputs["interleaved"],
+               config)
+
+
+def _pairs(point: Point) -> int:
+    dm = point.dim
+    return (dm["n_heads"] + 2 * dm["n_kv_heads"]) * dm["head_dim"] // 2
+
+
+def _default_config(point: Point, gpu: GpuSpec) -> Config:
+    c = default_tiles(point, gpu, _resources)
+    c["BLOCK_N"] = max(16, c["BLOCK_N"] // 2)  # pairs: each is two output columns
+    return c
+
+
+def _canonical(config: Config, point: Point) -> Config:
+    return collapse_tiles(config, point.rows, _pairs(point), point.dim["dim"])
+
+
+def _resources(config: Config, point: Point) -> Resources:
+    elt = DTYPE_BYTES[point.dtype]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    threads = 32 * config["num_warps"]
+    smem = pipelined_smem(config, elt, n_weights=2, epilogue=True)
+    regs = (2 * bm * bn + (bm * bk + 2 * bk * bn) * elt // 4) // threads + 48
+    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads)
+
+
+def _cost(point: Point) -> Cost:
+    m, d = point.rows, point.dim["dim"]
+    n = 2 * _pairs(point)
+    elt = DTYPE_BYTES[point.dtype]
+    return Cost(bytes=(m * d + n * d + m * n + d) * elt, flops=2 * m * d * n + 8 * m * n)
+
+
+def _dims_from_model(model: ModelPreset) -> dict[str, int]:
+    return {"dim": model.dim, "head_dim": model.head_dim, "interleaved": 1,
+            "n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}
+
+
+SPEC = KernelSpec(
+    name="qkv",
+    description="RMSNorm -> Q, K, V projections -> RoPE on q and k, one launch",
+    dim_names=("dim", "head_dim", "interleaved", "n_heads", "n_kv_heads"),
+    config_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"),
+    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"),
+    make_inputs=_make_inputs,
+    make_outputs=_make_outputs,
+    reference=_reference,
+    launch=_launch,
+    default_config=_default_config,
+    resources=_resources,
+    cost=_cost,
+    canonical=_canonical,
+    dims_from_model=_dims_from_model,
+    tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
+    source_objects=(_qkv_kernel, _launch_2d),
+)

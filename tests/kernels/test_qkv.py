@@ -1,0 +1,152 @@
+"""fusetune.qkv (RMSNorm -> Q, K, V -> RoPE on q, k) against plain torch (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fusetune
+from fusetune import gpus
+from fusetune.kernels import qkv as qkv_mod
+from fusetune.kernels._spec import ConfigError, Point, check_fits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
+SPEC = qkv_mod.SPEC
+
+
+def rope(t: torch.Tensor, start_pos: int, theta: float, interleaved: bool) -> torch.Tensor:
+    """Llama's complex-number RoPE, or Hugging Face's rotate_half, in float64."""
+    _, s, _, d = t.shape
+    freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.outer(torch.arange(start_pos, start_pos + s, dtype=torch.float64), freqs)
+    if interleaved:
+        tc = torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(tc * torch.polar(torch.ones_like(ang), ang)[None, :, None]
+                                  ).flatten(3)
+    emb = torch.cat((ang, ang), dim=-1)[None, :, None, :]
+    rotated = torch.cat((-t[..., d // 2 :], t[..., : d // 2]), dim=-1)
+    return t * emb.cos() + rotated * emb.sin()
+
+
+def reference(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+              wv: torch.Tensor, head_dim: int, start_pos: int, interleaved: bool,
+              theta: float = 10000.0, eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
+    xd = x.double()
+    xn = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+    b, s, _ = x.shape
+    q, k, v = ((xn @ w.double().T).view(b, s, -1, head_dim) for w in (wq, wk, wv))
+    return rope(q, start_pos, theta, interleaved), rope(k, start_pos, theta, interleaved), v
+
+
+def make(b: int, s: int, d: int, n_heads: int, n_kv: int, hd: int, dtype: torch.dtype,
+         seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, s, d, generator=gen)
+    g = 1 + 0.1 * torch.randn(d, generator=gen)
+    ws = [torch.randn(n * hd, d, generator=gen) / d**0.5 for n in (n_heads, n_kv, n_kv)]
+    return tuple(t.to(device=DEVICE, dtype=dtype) for t in (x, g, *ws))
+
+
+def check(tensors: tuple[torch.Tensor, ...], head_dim: int, start_pos: int = 0,
+          interleaved: bool = True, **kw) -> tuple[torch.Tensor, ...]:
+    x, g, wq, wk, wv = tensors
+    outs = fusetune.qkv(x, g, wq, wk, wv, start_pos, head_dim=head_dim,
+                        interleaved=interleaved, **kw)
+    refs = reference(*(t.cpu() for t in tensors), head_dim, start_pos, interleaved)
+    for name, out, ref in zip("qkv", outs, refs, strict=True):
+        assert out.shape == ref.shape and out.dtype == x.dtype, name
+        err = float((out.cpu().double() - ref).norm() / ref.norm())
+        assert err <= TOL[x.dtype], f"{name}: relative error {err:.3e} > {TOL[x.dtype]:.1e}"
+    return outs
+
+
+@pytest.fixture(autouse=True)
+def _tables(fresh_tables: None) -> None:
+    warnings.simplefilter("ignore", fusetune.FusetuneWarning)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("b", "s", "d", "nh", "nkv", "hd"), [
+    (1, 1, 64, 4, 2, 8),  # decode, grouped-query
+    (2, 5, 48, 4, 4, 8),  # multi-head
+    (1, 37, 64, 8, 2, 16),  # awkward token count
+])
+def test_matches_reference(b: int, s: int, d: int, nh: int, nkv: int, hd: int,
+                           dtype: torch.dtype, interleaved: bool) -> None:
+    check(make(b, s, d, nh, nkv, hd, dtype), hd, start_pos=3, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize(("nh", "nkv", "hd"), [(32, 8, 64), (4, 2, 128)])
+def test_llama_head_layouts(nh: int, nkv: int, hd: int, interleaved: bool) -> None:
+    # n_kv_heads=8 with n_heads=32 (Llama-3 GQA) and head_dim 64 and 128, inferred from shapes
+    # where it can be (128 divides both widths).
+    tensors = make(1, 3, 64, nh, nkv, hd, torch.float16)
+    x, g, wq, wk, wv = tensors
+    q, k, v = check(tensors, hd, start_pos=9, interleaved=interleaved)
+    assert q.shape == (1, 3, nh, hd) and k.shape == v.shape == (1, 3, nkv, hd)
+    if hd == 128:
+        inferred = fusetune.qkv(x, g, wq, wk, wv, 9, interleaved=interleaved)
+        assert all(torch.equal(a, b) for a, b in zip(inferred, (q, k, v), strict=True))
+
+
+@pytest.mark.parametrize("config", [
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 2, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 4, "num_warps": 4, "num_stages": 3},
+])
+def test_configs(config: dict[str, int]) -> None:
+    # Blocks straddle heads and the Q/K/V boundaries, rows span several row-blocks.
+    check(make(2, 35, 96, 6, 2, 12, torch.float16), 12, start_pos=1, config=config)
+
+
+def test_bad_inputs() -> None:
+    x, g, wq, wk, wv = make(1, 2, 64, 4, 2, 8, torch.float16)
+    with pytest.raises(ValueError, match=r"batch, seq, dim"):
+        fusetune.qkv(x[0], g, wq, wk, wv, head_dim=8)
+    with pytest.raises(ValueError, match=r"wk must be \[out_features, 64\]"):
+        fusetune.qkv(x, g, wq, wk.T, wv, head_dim=8)
+    with pytest.raises(ValueError, match="same shape"):
+        fusetune.qkv(x, g, wq, wk, wv[:8], head_dim=8)
+    with pytest.raises(ValueError, match="head_dim=6 must be even and divide"):
+        fusetune.qkv(x, g, wq, wk, wv, head_dim=6)
+    with pytest.raises(ValueError, match="cannot infer head_dim"):
+        fusetune.qkv(x, g, wq, wk, wv)
+    with pytest.raises(TypeError, match=r"wv is torch\.float32"):
+        fusetune.qkv(x, g, wq, wk, wv.float(), head_dim=8)
+    with pytest.raises(ConfigError, match="num_stages"):
+        fusetune.qkv(x, g, wq, wk, wv, head_dim=8,
+                     config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1,
+                             "num_warps": 2})
+
+
+def llama_point(rows: int) -> Point:
+    return Point.make("qkv", {"dim": 4096, "head_dim": 128, "interleaved": 1, "n_heads": 32,
+                              "n_kv_heads": 32}, 1, rows, "float16")
+
+
+def test_spec() -> None:
+    for gpu in ("3090", "h100"):
+        for rows in (1, 4096):
+            p = llama_point(rows)
+            c = SPEC.canonical(SPEC.default_config(p, gpus.resolve(gpu)), p)
+            assert SPEC.validate_config(c) == c
+            assert check_fits(SPEC.resources(c, p), gpus.resolve(gpu)) is None
+    assert SPEC.cost(llama_point(1)).bytes >= 3 * 4096 * 4096 * 2  # the three weights
+    # Shared memory Triton 3.9 allocated on sm_90 for these configs must not exceed the model.
+    for (bm, bn, bk, w, st), actual in {(16, 32, 128, 4, 4): 61696,
+                                        (128, 64, 64, 8, 3): 82176}.items():
+        c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w,
+             "num_stages": st}
+        assert actual <= SPEC.resources(c, llama_point(4096)).smem_bytes <= 1.2 * actual
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_gpu_llama_dims(dtype: torch.dtype, interleaved: bool, rows: int) -> None:
+    check(make(1, rows, 4096, 32, 8, 128, dtype), 128, start_pos=4000, interleaved=interleaved)
