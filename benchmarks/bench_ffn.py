@@ -16,13 +16,11 @@ import torch.nn.functional as F
 import triton
 
 import fusetune
-from benchmarks.timing import report, time_cases
+from benchmarks.timing import gemm_report, time_cases
 from fusetune.kernels._spec import Point
 from fusetune.kernels.ffn import SPEC
 from fusetune.tables import gpu_for_device
 
-BW_TBS = 3.0  # measured copy ceiling of the H100
-PEAK_TFLOPS = 727.0  # measured cuBLAS fp16 4096^3
 IMPLS = ("tuned", "default", "eager", "compile", "gemm_alone")
 
 
@@ -59,7 +57,7 @@ def make_case(m: int, d: int, hdim: int, dtype_name: str, gpu: Any,
         "gemm_alone": lambda: F.linear(x, w13),
     }
     cost = SPEC.cost(point)
-    return {"m": m, "dtype": dtype_name, "fns": fns, "tuned_cfg": tuned_cfg,
+    return {"label": f"M={m}", "dtype": dtype_name, "fns": fns, "tuned_cfg": tuned_cfg,
             "default_cfg": default_cfg, "rel_err": err, "bytes": cost.bytes,
             "flops": cost.flops}
 
@@ -88,20 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
             f"Triton {triton.__version__}, dim {args.dim} -> hidden {args.hidden}; GPU µs: "
             "medians of do_bench (L2 flushed) over CUDA-graph replays, median of rounds")
-    cols = ["dtype", "M", "floor µs", *IMPLS, "tuned/gemm", "tuned config M/N/K/G/w/s"]
-    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    raw = []
-    for case, t in zip(cases, medians, strict=True):
-        floor = max(case["bytes"] / (BW_TBS * 1e6), case["flops"] / (PEAK_TFLOPS * 1e6))
-        ratio = t["tuned"] / t["gemm_alone"] if t["tuned"] and t["gemm_alone"] else float("nan")
-        cfg = "/".join(str(case["tuned_cfg"][k]) for k in SPEC.config_keys)
-        cells = [("-" if t[k] is None else f"{t[k]:.1f}") for k in IMPLS]
-        lines.append(f"| {case['dtype']} | {case['m']} | {floor:.1f} | " + " | ".join(cells)
-                     + f" | {ratio:.2f} | {cfg} |")
-        raw.append({"dtype": case["dtype"], "M": case["m"], "us": t, "floor_us": floor,
-                    "tuned_config": case["tuned_cfg"], "default_config": case["default_cfg"],
-                    "rel_err": case["rel_err"]})
-    report(lines, raw, host, args.markdown, args.json)
+    gemm_report(head, cases, medians, IMPLS, SPEC.config_keys, host, args.markdown, args.json)
     return 0
 
 

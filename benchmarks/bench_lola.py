@@ -16,13 +16,11 @@ import torch.nn.functional as F
 import triton
 
 import fusetune
-from benchmarks.timing import report, time_cases
+from benchmarks.timing import gemm_report, time_cases
 from fusetune.kernels._spec import Point
 from fusetune.kernels.lola import SPEC
 from fusetune.tables import gpu_for_device
 
-BW_TBS = 3.0  # measured copy ceiling of the H100
-PEAK_TFLOPS = 727.0  # measured cuBLAS fp16 4096^3
 IMPLS = ("tuned", "default", "eager", "compile", "gemm_alone")
 
 
@@ -54,7 +52,7 @@ def make_case(m: int, d: int, n: int, dtype_name: str, gpu: Any, compiled: Any
         "gemm_alone": lambda: x @ w.T,
     }
     cost = SPEC.cost(point)
-    return {"shape": (m, d, n), "dtype": dtype_name, "fns": fns, "tuned_cfg": tuned_cfg,
+    return {"label": f"{m}:{d}:{n}", "dtype": dtype_name, "fns": fns, "tuned_cfg": tuned_cfg,
             "default_cfg": default_cfg, "rel_err": err, "bytes": cost.bytes,
             "flops": cost.flops}
 
@@ -83,20 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
             f"Triton {triton.__version__}; GPU µs: medians of do_bench (L2 flushed) over "
             "CUDA-graph replays, median of interleaved rounds")
-    cols = ["dtype", "M:in:out", "floor µs", *IMPLS, "tuned/gemm", "tuned config M/N/K/G/w/s"]
-    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    raw = []
-    for case, t in zip(cases, medians, strict=True):
-        floor = max(case["bytes"] / (BW_TBS * 1e6), case["flops"] / (PEAK_TFLOPS * 1e6))
-        ratio = t["tuned"] / t["gemm_alone"] if t["tuned"] and t["gemm_alone"] else float("nan")
-        cfg = "/".join(str(case["tuned_cfg"][k]) for k in SPEC.config_keys)
-        cells = [("-" if t[k] is None else f"{t[k]:.1f}") for k in IMPLS]
-        lines.append(f"| {case['dtype']} | {':'.join(map(str, case['shape']))} | {floor:.1f} | "
-                     + " | ".join(cells) + f" | {ratio:.2f} | {cfg} |")
-        raw.append({"dtype": case["dtype"], "shape": case["shape"], "us": t, "floor_us": floor,
-                    "tuned_config": case["tuned_cfg"], "default_config": case["default_cfg"],
-                    "rel_err": case["rel_err"]})
-    report(lines, raw, host, args.markdown, args.json)
+    gemm_report(head, cases, medians, IMPLS, SPEC.config_keys, host, args.markdown, args.json)
     return 0
 
 

@@ -98,3 +98,35 @@ def report(lines: list[str], raw: list[dict[str, Any]], host: dict[str, float],
         Path(markdown).write_text(text + "\n")
     if json_path:
         Path(json_path).write_text(json.dumps({"rows": raw, "host_us": host}, indent=1))
+
+
+BW_TBS = 3.0  # measured device-to-device copy ceiling of the H100 (bytes read + written)
+PEAK_TFLOPS = 727.0  # measured cuBLAS fp16 4096^3 on the H100
+
+
+def gemm_report(head: str, cases: Sequence[dict[str, Any]],
+                medians: Sequence[dict[str, float | None]], impls: Sequence[str],
+                config_keys: Sequence[str], host: dict[str, float], markdown: str | None,
+                json_path: str | None) -> None:
+    """The table of the matmul kernels' benchmarks: each case has "label", "dtype", "bytes",
+    "flops", "tuned_cfg", "default_cfg", "rel_err" and optionally "weight_bytes" (then the
+    tuned kernel's rate over the weights is shown); "gemm_alone" is the cuBLAS reference."""
+    weights = all("weight_bytes" in c for c in cases)
+    cols = ["dtype", "shape", "floor µs", *impls, "tuned/gemm",
+            *(["weights TB/s"] if weights else []), "tuned config " + "/".join(config_keys)]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    raw = []
+    for case, t in zip(cases, medians, strict=True):
+        floor = max(case["bytes"] / (BW_TBS * 1e6), case["flops"] / (PEAK_TFLOPS * 1e6))
+        tuned, gemm = t.get("tuned"), t.get("gemm_alone")
+        cells = ["-" if t.get(k) is None else f"{t[k]:.1f}" for k in impls]
+        cells.append(f"{tuned / gemm:.2f}" if tuned and gemm else "-")
+        if weights:
+            cells.append(f"{case['weight_bytes'] / tuned / 1e6:.2f}" if tuned else "-")
+        cells.append("/".join(str(case["tuned_cfg"][k]) for k in config_keys))
+        lines.append(f"| {case['dtype']} | {case['label']} | {floor:.1f} | "
+                     + " | ".join(cells) + " |")
+        raw.append({"dtype": case["dtype"], "shape": case["label"], "us": t, "floor_us": floor,
+                    "tuned_config": case["tuned_cfg"], "default_config": case["default_cfg"],
+                    "rel_err": case["rel_err"]})
+    report(lines, raw, host, markdown, json_path)

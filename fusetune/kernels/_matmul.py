@@ -5,8 +5,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import triton
+import triton.language as tl
+
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._spec import Config, Point, Resources, check_fits, next_pow2
+
+
+@triton.jit
+def grouped_tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row-block, column-block) of this program in grouped launch order: GROUP_M consecutive
+    row-blocks walk the same column-blocks, so the weight tiles they share are read from L2
+    rather than from memory."""
+    pid = tl.program_id(0)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % group_m, (pid % in_group) // group_m
 
 
 def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point], Resources]

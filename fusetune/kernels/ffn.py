@@ -19,7 +19,12 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
-from fusetune.kernels._matmul import collapse_tiles, default_tiles, pipelined_smem
+from fusetune.kernels._matmul import (
+    collapse_tiles,
+    default_tiles,
+    grouped_tile,
+    pipelined_smem,
+)
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -52,16 +57,7 @@ def _ffn_kernel(
     GROUP_M: tl.constexpr,
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
 ):
-    # Grouped launch order: GROUP_M consecutive row-blocks walk the same column-blocks, so the
-    # weight tiles they share are read from L2 rather than from memory.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_m
-    pid_n = (pid % in_group) // group_m
+    pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -246,5 +242,5 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
-    source_objects=(_ffn_kernel, _launch_2d),
+    source_objects=(_ffn_kernel, grouped_tile, _launch_2d),
 )

@@ -26,7 +26,12 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
-from fusetune.kernels._matmul import collapse_tiles, default_tiles, pipelined_smem
+from fusetune.kernels._matmul import (
+    collapse_tiles,
+    default_tiles,
+    grouped_tile,
+    pipelined_smem,
+)
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -65,15 +70,7 @@ def _qkv_kernel(
     # Column-blocks of the three matrices side by side: [Q blocks | K blocks | V blocks].
     nb_q = tl.cdiv(NQ_PAIRS, BLOCK_N)
     nb_kv = tl.cdiv(NKV_PAIRS, BLOCK_N)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = nb_q + 2 * nb_kv
-    # Grouped launch order (see ffn.py) over all column-blocks.
-    pid = tl.program_id(0)
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_m
-    pid_n = (pid % in_group) // group_m
+    pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), nb_q + 2 * nb_kv, GROUP_M)
 
     # Which matrix this program works on; V is rotated by a zero angle (no RoPE).
     if pid_n < nb_q:
@@ -346,5 +343,5 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
-    source_objects=(_qkv_kernel, _launch_2d),
+    source_objects=(_qkv_kernel, grouped_tile, _launch_2d),
 )
