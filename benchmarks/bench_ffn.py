@@ -1,6 +1,7 @@
 """Fused feed-forward gate side by side on one GPU, in one process: tuned (lookup table) vs the
 default heuristic vs torch eager (Llama's RMSNorm, two nn.Linear, silu·mul) vs torch.compile of
-it vs the cuBLAS GEMM alone on the stacked [W1; W3] weight (what the fusion must not exceed).
+it vs Liger Kernel's pieces (its RMSNorm, one GEMM, its fused SiLU·mul) vs the cuBLAS GEMM alone
+on the stacked [W1; W3] weight (what the fusion must not exceed).
 
     python -m benchmarks.bench_ffn --tables tables.yaml --rows 1,16,128,1024,4096
 """
@@ -21,7 +22,7 @@ from fusetune.kernels._spec import Point
 from fusetune.kernels.ffn import SPEC
 from fusetune.tables import gpu_for_device
 
-IMPLS = ("tuned", "default", "eager", "compile", "gemm_alone")
+IMPLS = ("tuned", "default", "eager", "compile", "liger", "gemm_alone")
 
 
 def eager_ffn(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -30,6 +31,21 @@ def eager_ffn(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tens
     h = x.float()
     xn = g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
     return F.silu(F.linear(xn, w1)) * F.linear(xn, w3)
+
+
+def liger_ffn() -> Any:
+    """Liger Kernel's pieces: its RMSNorm, one GEMM on [W1; W3], its fused gate·up SiLU."""
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
+    except Exception:
+        return None
+
+    def run(x: torch.Tensor, g: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+        xn = LigerRMSNormFunction.apply(x, g, 1e-6, 0.0, "llama", False)
+        return LigerFusedGateUpSiLUMulFunction.apply(F.linear(xn, w13))
+
+    return run
 
 
 def make_case(m: int, d: int, hdim: int, dtype_name: str, gpu: Any,
@@ -49,11 +65,13 @@ def make_case(m: int, d: int, hdim: int, dtype_name: str, gpu: Any,
     out = fusetune.ffn(x, g, w1, w3)
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < SPEC.tolerance[dtype_name], f"tuned ffn wrong: rel err {err}"
+    liger = liger_ffn()
     fns = {
         "tuned": lambda: fusetune.ffn(x, g, w1, w3),
         "default": lambda: fusetune.ffn(x, g, w1, w3, config=default_cfg),
         "eager": lambda: eager_ffn(x, g, w1, w3),
         "compile": lambda: compiled(x, g, w1, w3),
+        "liger": (lambda: liger(x, g, w13)) if liger else None,
         "gemm_alone": lambda: F.linear(x, w13),
     }
     cost = SPEC.cost(point)

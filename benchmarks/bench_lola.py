@@ -1,6 +1,7 @@
 """LayerNorm -> Linear -> GELU side by side on one GPU, in one process: tuned (lookup table) vs
 the default heuristic vs torch eager (F.layer_norm, F.linear, F.gelu) vs torch.compile of it vs
-the cuBLAS GEMM alone (x·Wᵀ, what the fusion must not exceed).
+Liger Kernel's LayerNorm with torch's Linear and GELU vs the cuBLAS GEMM alone (x·Wᵀ, what the
+fusion must not exceed).
 
     python -m benchmarks.bench_lola --tables tables.yaml --shapes 4096:768:3072,1:4096:16384
 """
@@ -21,12 +22,24 @@ from fusetune.kernels._spec import Point
 from fusetune.kernels.lola import SPEC
 from fusetune.tables import gpu_for_device
 
-IMPLS = ("tuned", "default", "eager", "compile", "gemm_alone")
+IMPLS = ("tuned", "default", "eager", "compile", "liger", "gemm_alone")
 
 
 def eager_lola(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float = 1e-5
                ) -> torch.Tensor:
     return F.gelu(F.linear(F.layer_norm(x, (x.shape[-1],), eps=eps), w, b))
+
+
+def liger_lola(d: int, dtype: torch.dtype) -> Any:
+    """Liger Kernel's LayerNorm (weight 1, bias 0: no affine), then torch's Linear and GELU."""
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+    except Exception:
+        return None
+    ones = torch.ones(d, device="cuda", dtype=dtype)
+    zeros = torch.zeros(d, device="cuda", dtype=dtype)
+    return lambda x, w, b: F.gelu(F.linear(LigerLayerNormFunction.apply(x, ones, zeros, 1e-5),
+                                           w, b))
 
 
 def make_case(m: int, d: int, n: int, dtype_name: str, gpu: Any, compiled: Any
@@ -44,11 +57,13 @@ def make_case(m: int, d: int, n: int, dtype_name: str, gpu: Any, compiled: Any
     out = fusetune.lola(x, w, b)
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < SPEC.tolerance[dtype_name], f"tuned lola wrong: rel err {err}"
+    liger = liger_lola(d, dtype)
     fns = {
         "tuned": lambda: fusetune.lola(x, w, b),
         "default": lambda: fusetune.lola(x, w, b, config=default_cfg),
         "eager": lambda: eager_lola(x, w, b),
         "compile": lambda: compiled(x, w, b),
+        "liger": (lambda: liger(x, w, b)) if liger else None,
         "gemm_alone": lambda: x @ w.T,
     }
     cost = SPEC.cost(point)

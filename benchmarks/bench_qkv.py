@@ -1,6 +1,7 @@
 """Fused QKV projection side by side on one GPU, in one process: tuned (lookup table) vs the
 default heuristic vs torch eager (Llama's RMSNorm, three nn.Linear, complex-number RoPE on q and
-k) vs torch.compile of it vs the cuBLAS GEMM alone on the stacked [Wq; Wk; Wv] weight.
+k) vs torch.compile of it vs Liger Kernel's pieces (its RMSNorm, one GEMM, its RoPE) vs the
+cuBLAS GEMM alone on the stacked [Wq; Wk; Wv] weight.
 
     python -m benchmarks.bench_qkv --tables tables.yaml --rows 1,16,4096
 """
@@ -21,7 +22,7 @@ from fusetune.kernels._spec import Point
 from fusetune.kernels.qkv import SPEC
 from fusetune.tables import gpu_for_device
 
-IMPLS = ("tuned", "default", "eager", "compile", "gemm_alone")
+IMPLS = ("tuned", "default", "eager", "compile", "liger", "gemm_alone")
 
 
 def eager_qkv(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
@@ -38,6 +39,31 @@ def eager_qkv(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Tens
         return torch.view_as_real(tc * freqs_cis).flatten(3).type_as(t)
 
     return rot(q), rot(k), v
+
+
+def liger_qkv(hd: int, dims: dict[str, int], m: int, dtype: torch.dtype) -> Any:
+    """Liger Kernel's RMSNorm, one GEMM on [Wq; Wk; Wv], Liger's RoPE on q and k (Liger has
+    only the half-split layout)."""
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except Exception:
+        return None
+    nq, nkv = dims["n_heads"] * hd, dims["n_kv_heads"] * hd
+    freqs = 10000.0 ** (-torch.arange(0, hd, 2, device="cuda", dtype=torch.float32) / hd)
+    ang = torch.outer(torch.arange(m, device="cuda", dtype=torch.float32), freqs)
+    emb = torch.cat((ang, ang), dim=-1)[None]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def run(x: torch.Tensor, g: torch.Tensor, wqkv: torch.Tensor) -> Any:
+        b, s, _ = x.shape
+        y = F.linear(LigerRMSNormFunction.apply(x, g, 1e-6, 0.0, "llama", False), wqkv)
+        q, k, v = y.split([nq, nkv, nkv], dim=-1)
+        q = q.reshape(b, s, -1, hd).transpose(1, 2)
+        k = k.reshape(b, s, -1, hd).transpose(1, 2)
+        return (*LigerRopeFunction.apply(q, k, cos, sin), v)
+
+    return run
 
 
 def make_case(m: int, dims: dict[str, int], dtype_name: str, gpu: Any, compiled: Any
@@ -63,11 +89,13 @@ def make_case(m: int, dims: dict[str, int], dtype_name: str, gpu: Any, compiled:
     err = max(float((o.float() - ref[n]).norm() / ref[n].norm())
               for o, n in zip(outs, "qkv", strict=True))
     assert err < SPEC.tolerance[dtype_name], f"tuned qkv wrong: rel err {err}"
+    liger = liger_qkv(hd, dims, m, dtype)
     fns = {
         "tuned": lambda: fusetune.qkv(x, g, wq, wk, wv, head_dim=hd),
         "default": lambda: fusetune.qkv(x, g, wq, wk, wv, head_dim=hd, config=default_cfg),
         "eager": lambda: eager_qkv(x, g, wq, wk, wv, freqs_cis, hd),
         "compile": lambda: compiled(x, g, wq, wk, wv, freqs_cis, hd),
+        "liger": (lambda: liger(x, g, wqkv)) if liger else None,
         "gemm_alone": lambda: F.linear(x, wqkv),
     }
     cost = SPEC.cost(point)
