@@ -162,17 +162,14 @@ def search(kernel: str, gpu_name: str | None, model: str | None, dim: int | None
         spec = get_spec(kernel)
         space = load_space(spec, space_path)
         if model is None and dim is None and dims_opt is None:
-            model_or_none = None if small else grid["model"]
-            dims_default = INTERPRETER_GRID["dims"] if small else None
-        else:
-            model_or_none, dims_default = model, dims_opt
-        dims = parse_dims(spec.dim_names, model_or_none, dim, dims_default, spec.dims_from_model)
+            model = grid["model"]
+        dims = parse_dims(spec.dim_names, model, dim, dims_opt, spec.dims_from_model)
         req = Request(kernel, dims, batch or grid["batch"], seq or grid["seq"],
                       dtype or grid["dtype"])
         points = make_points(req)
     except (SearchError, SpaceError, ValueError) as e:
         raise click.ClickException(str(e)) from None
-    if small and (batch is None or seq is None or (model, dim, dims_opt) == (None, None, None)):
+    if small and (batch is None or seq is None or model == grid["model"]):
         err.print(f"[yellow]note:[/] interpreter defaults: dims {dims}, batch {req.batches}, "
                   f"seq {req.seqs}, dtype {','.join(req.dtypes)}")
 

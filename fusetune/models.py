@@ -25,6 +25,8 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("llama-3-8b", dim=4096, hidden=14336, n_heads=32, n_kv_heads=8, head_dim=128),
         ModelPreset("mistral-7b", dim=4096, hidden=14336, n_heads=32, n_kv_heads=8, head_dim=128),
         ModelPreset("gpt2", dim=768, hidden=3072, n_heads=12, n_kv_heads=12, head_dim=64),
+        # Small enough for Triton's CPU interpreter (the default grid without a GPU).
+        ModelPreset("tiny", dim=256, hidden=688, n_heads=4, n_kv_heads=2, head_dim=64),
     )
 }
 

@@ -398,3 +398,17 @@ def test_kernel_search_export_lookup(kernel: str, dims: dict[str, int], db_url: 
     other = {k: v + 2 for k, v in dims.items()}
     with pytest.warns(fusetune.FusetuneWarning, match="no tuned config"):
         fusetune.lookup(kernel, other, "float16", rows=6, gpu="interpreter")
+
+
+@pytest.mark.parametrize("kernel", ["rmsnorm", "rope", "qkv", "ffn", "lola"])
+def test_every_kernel_plans_with_defaults(kernel: str) -> None:
+    # The default grid (llama-2-7b dims) for the named GPU, and the interpreter's small grid
+    # (the "tiny" preset) that a machine without a GPU falls back to.
+    planned = invoke("search", "--kernel", kernel, "--gpu", "h100", "--dry-run")
+    assert planned.exit_code == 0, planned.output
+    assert "configs pruned in all under h100-sxm's limits" in planned.output
+    from fusetune.kernels import get_spec
+    from fusetune.models import preset
+
+    dims = get_spec(kernel).dims_from_model(preset("tiny"))
+    assert dims and all(v >= 0 for v in dims.values())
