@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,16,128,1024,4096")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--impls", default=",".join(IMPLS), help="implementations to time")
+    ap.add_argument("--no-graph", action="store_true",
+                    help="time plain Python calls instead of CUDA-graph replays")
     ap.add_argument("--markdown")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     compiled = torch.compile(eager_ffn)
     cases = [make_case(int(m), args.dim, args.hidden, dt, gpu, compiled)
              for dt in args.dtype.split(",") for m in args.rows.split(",")]
-    medians, host = time_cases(cases, IMPLS, args.rounds)
+    medians, host = time_cases(cases, args.impls.split(","), args.rounds,
+                               graphs=not args.no_graph)
     head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
             f"Triton {triton.__version__}, dim {args.dim} -> hidden {args.hidden}; GPU µs: "
             "medians of do_bench (L2 flushed) over CUDA-graph replays, median of rounds")

@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="M:in:out triples, comma-separated")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--impls", default=",".join(IMPLS), help="implementations to time")
+    ap.add_argument("--no-graph", action="store_true",
+                    help="time plain Python calls instead of CUDA-graph replays")
     ap.add_argument("--markdown")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -92,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     cases = [make_case(m, d, n, dt, gpu, compiled) for dt in args.dtype.split(",")
              for m, d, n in shapes]
-    medians, host = time_cases(cases, IMPLS, args.rounds)
+    medians, host = time_cases(cases, args.impls.split(","), args.rounds,
+                               graphs=not args.no_graph)
     head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
             f"Triton {triton.__version__}; GPU µs: medians of do_bench (L2 flushed) over "
             "CUDA-graph replays, median of interleaved rounds")

@@ -76,7 +76,7 @@ def time_cases(cases: Sequence[dict[str, Any]], impls: Sequence[str], rounds: in
                 except Exception as e:  # time the plain call instead, and say so
                     print(f"note: {k} could not be captured in a graph ({e}); timed as a plain "
                           "call", file=sys.stderr)
-    samples: list[dict[str, list[float]]] = [{k: [] for k in impls} for _ in cases]
+    samples: list[dict[str, list[float]]] = [{k: [] for k in case["fns"]} for case in cases]
     for _ in range(rounds):
         for case, acc in zip(cases, samples, strict=True):
             for k, fn in case["fns"].items():
