@@ -96,3 +96,21 @@ class WinnerRow(Base):
                                                  onupdate=utcnow)
 
     point: Mapped[PointRow] = relationship()
+
+
+class RunningRow(Base):
+    """A trial being evaluated right now, with its process and a heartbeat.
+
+    Lets a search that starts on a point tell a trial left RUNNING by a dead process (stale
+    heartbeat, or a dead pid on this host) from one that another live search is running."""
+
+    __tablename__ = "ft_running"
+    __table_args__ = (UniqueConstraint("point_id", "trial_number", name="uq_ft_running"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    point_id: Mapped[int] = mapped_column(ForeignKey("ft_points.id", ondelete="CASCADE"),
+                                          index=True)
+    trial_number: Mapped[int] = mapped_column(Integer)
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

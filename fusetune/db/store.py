@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from fusetune.db.models import Base, PointRow, ResultRow, WinnerRow
+from fusetune.db.models import Base, PointRow, ResultRow, RunningRow, WinnerRow, utcnow
 
 DEFAULT_DB = "sqlite:///fusetune.db"
 
@@ -151,6 +151,36 @@ class Store:
     def points(self) -> list[PointRow]:
         with self.session() as s:
             return list(s.scalars(select(PointRow).order_by(PointRow.id)).all())
+
+    # -- trials being evaluated -----------------------------------------------------------------
+
+    def claim_running(self, point_id: int, trial_number: int, host: str, pid: int) -> int:
+        """Records that this process evaluates the trial now; returns the row id to beat."""
+        with self.session() as s:
+            row = RunningRow(point_id=point_id, trial_number=trial_number, host=host, pid=pid)
+            s.add(row)
+            s.commit()
+            return row.id
+
+    def beat(self, running_id: int) -> None:
+        with self.session() as s:
+            row = s.get(RunningRow, running_id)
+            if row is not None:
+                row.heartbeat_at = utcnow()
+                s.commit()
+
+    def release(self, running_id: int) -> None:
+        with self.session() as s:
+            row = s.get(RunningRow, running_id)
+            if row is not None:
+                s.delete(row)
+                s.commit()
+
+    def running(self, point_id: int) -> dict[int, RunningRow]:
+        """The claimed trials of a point by trial number."""
+        with self.session() as s:
+            rows = s.scalars(select(RunningRow).where(RunningRow.point_id == point_id)).all()
+            return {r.trial_number: r for r in rows}
 
     def status_counts(self, point_id: int) -> Counter[str]:
         return Counter(r.status for r in self.results(point_id).values())

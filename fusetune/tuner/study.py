@@ -17,6 +17,7 @@ from fusetune.db.store import PointKey, Store
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._spec import Config, Cost, KernelSpec, Point
 from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
+from fusetune.tuner.liveness import Heartbeat, is_stale
 from fusetune.tuner.space import Plan, SearchSpace, config_key, make_plan
 
 INTERRUPTED = "interrupted: the search stopped while this trial ran; it is tried again on resume"
@@ -75,18 +76,31 @@ class PointResult:
 Progress = Callable[[int, int, str], None]  # (done, target, message)
 
 
-def _fail_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage) -> int:
-    """Trials left RUNNING by a killed process become FAIL with a reason; returns how many."""
-    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    if not stale:
+def _fail_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage, store: Store,
+                       point_id: int) -> int:
+    """Trials left RUNNING by a dead process become FAIL with a reason; trials that another
+    live search is running (fresh heartbeat) are left alone. Returns how many were failed."""
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    if not running:
         return 0
+    claims = store.running(point_id)
     study_id = storage.get_study_id_from_name(study.study_name)
-    for t in stale:
+    failed = 0
+    for t in running:
+        claim = claims.get(t.number)
+        if not is_stale(claim, t.datetime_start):
+            continue
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
-        storage.set_trial_user_attr(trial_id, "status", "interrupted")
-        storage.set_trial_user_attr(trial_id, "reason", INTERRUPTED)
-        study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
-    return len(stale)
+        try:
+            storage.set_trial_user_attr(trial_id, "status", "interrupted")
+            storage.set_trial_user_attr(trial_id, "reason", INTERRUPTED)
+            study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # its process finished it meanwhile
+        if claim is not None:
+            store.release(claim.id)
+        failed += 1
+    return failed
 
 
 class PointTuner:
@@ -166,7 +180,7 @@ class PointTuner:
             load_if_exists=True,
             sampler=optuna.samplers.TPESampler(seed=opts.seed, multivariate=True,
                                                n_startup_trials=max(4, min(10, target // 4))))
-        _fail_stale_trials(study, ctx.storage)
+        _fail_stale_trials(study, ctx.storage, ctx.store, self.point_id)
         study.set_user_attr("point", self.point.label)
         study.set_user_attr("gpu", ctx.gpu.name)
 
@@ -221,7 +235,8 @@ class PointTuner:
                 continue
             repeats = 0
             try:
-                out = self._evaluate(config, trial.number)
+                with Heartbeat(ctx.store, self.point_id, trial.number):
+                    out = self._evaluate(config, trial.number)
             except (KeyboardInterrupt, DeviceLostError) as exc:
                 reason = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else str(exc)
                 trial.set_user_attr("status", "interrupted" if isinstance(

@@ -1,0 +1,81 @@
+"""Heartbeats of running trials, and telling a dead process's trial from a live one's."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from datetime import datetime, timedelta, timezone
+from types import TracebackType
+
+from fusetune.db.models import RunningRow
+from fusetune.db.store import Store
+
+HEARTBEAT_S = 10.0  # how often a running trial's heartbeat is written
+GRACE_S = 60.0  # a heartbeat older than this means the process that wrote it is gone
+HOST = socket.gethostname()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)  # SQLite drops tz
+
+
+def is_stale(row: RunningRow | None, started: datetime | None, now: datetime | None = None,
+             grace_s: float = GRACE_S) -> bool:
+    """Whether a RUNNING trial belongs to no live process.
+
+    Its claim row is missing and the trial is older than the grace period (a live search writes
+    the row right after asking for the trial), or its process on this host is gone, or its
+    heartbeat is older than the grace period (another host, or a reused pid). A trial claimed
+    by this very process is stale too: it is only asked while this process starts a point."""
+    now = now or datetime.now(timezone.utc)
+    grace = timedelta(seconds=grace_s)
+    if row is None:
+        return started is None or now - _aware(started) > grace
+    if row.host == HOST and (row.pid == os.getpid() or not _pid_alive(row.pid)):
+        return True  # this process is starting the point, so it runs none of its trials
+    return now - _aware(row.heartbeat_at) > grace
+
+
+class Heartbeat:
+    """Claims a trial for this process and beats for it in a thread while the block runs."""
+
+    def __init__(self, store: Store, point_id: int, trial_number: int,
+                 interval_s: float = HEARTBEAT_S) -> None:
+        self.store, self.point_id, self.trial_number = store, point_id, trial_number
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._id: int | None = None
+
+    def __enter__(self) -> Heartbeat:
+        self._id = self.store.claim_running(self.point_id, self.trial_number, HOST, os.getpid())
+        self._thread = threading.Thread(target=self._run, name="fusetune-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                assert self._id is not None
+                self.store.beat(self._id)
+            except Exception:  # a missed beat only delays the next; never kill the search
+                pass
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._id is not None:
+            self.store.release(self._id)
