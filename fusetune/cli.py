@@ -132,13 +132,19 @@ def gpus() -> None:
 @click.option("--space", "space_path", type=click.Path(dir_okay=False), default=None,
               help="A search-space YAML to use instead of the kernel's own.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed.")
+@click.option("--isolate/--in-process", default=False, show_default=True,
+              help="Run configs in a worker subprocess: a config that crashes or hangs is "
+                   "recorded (crashed / timeout) and the worker restarted, the search goes on.")
+@click.option("--trial-timeout", type=click.FloatRange(min=1), default=300, show_default=True,
+              help="Seconds one config may take (compile, check and timing) with --isolate.")
 @click.option("--dry-run", is_flag=True,
               help="Print the plan (points, space size, configs pruned by the GPU's limits and "
                    "why) without running anything; needs no GPU.")
 def search(kernel: str, gpu_name: str | None, model: str | None, dim: int | None,
            dims_opt: dict[str, int] | None, batch: list[int] | None, seq: list[int] | None,
            dtype: list[str] | None, trials: int, time_budget: float | None, db: str,
-           backend: str, space_path: str | None, seed: int, dry_run: bool) -> None:
+           backend: str, space_path: str | None, seed: int, isolate: bool,
+           trial_timeout: float, dry_run: bool) -> None:
     """Tune KERNEL at every (batch, seq, dtype) point: one Optuna study per point.
 
     Every evaluated config is stored with its status (ok, infeasible, oor, compile_error,
@@ -176,7 +182,8 @@ def search(kernel: str, gpu_name: str | None, model: str | None, dim: int | None
     if dry_run:
         _print_plan(spec, space, points, target, trials)
         return
-    _run_search(spec, space, points, target, db, trials, time_budget, seed)
+    _run_search(spec, space, points, target, db, trials, time_budget, seed,
+                trial_timeout if isolate else None)
 
 
 def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trials: int) -> None:
@@ -209,7 +216,8 @@ def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trial
 
 
 def _run_search(spec: Any, space: Any, points: Sequence[Any], target: Any, db: str,
-                trials: int, time_budget: float | None, seed: int) -> None:
+                trials: int, time_budget: float | None, seed: int,
+                trial_timeout: float | None) -> None:
     import torch
     import triton
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -224,8 +232,12 @@ def _run_search(spec: Any, space: Any, points: Sequence[Any], target: Any, db: s
         storage = open_storage(db)
     except Exception as e:
         raise click.ClickException(f"cannot open database {db!r}: {e}") from None
+    from fusetune.tuner.worker import Worker
+
+    worker = (Worker(spec.name, target.backend, target.device, trial_timeout)
+              if trial_timeout is not None else None)
     ctx = Context(spec, space, target.gpu, target.backend, target.device, store, storage,
-                  triton.__version__, torch.__version__)
+                  triton.__version__, torch.__version__, worker)
     options = SearchOptions(trials=trials, time_budget_s=time_budget, seed=seed)
     console.print(f"Tuning {spec.name} on {target.gpu.name} ({target.device}, {target.backend}) "
                   f"into {db}: {len(points)} points, up to {trials} configs each.")
@@ -252,8 +264,11 @@ def _run_search(spec: Any, space: Any, points: Sequence[Any], target: Any, db: s
         sys.exit(130)
     except DeviceLostError as e:
         err.print(f"\n[red]error:[/] the GPU context is lost ({e}). That config is recorded as "
-                  "crashed; run the same command again to continue.")
+                  "crashed; run the same command again to continue (or use --isolate).")
         sys.exit(1)
+    finally:
+        if worker is not None:
+            worker.close()
     _print_summary(results, target)
 
 

@@ -19,6 +19,7 @@ from fusetune.kernels._spec import Config, Cost, KernelSpec, Point
 from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
 from fusetune.tuner.liveness import Heartbeat, is_stale
 from fusetune.tuner.space import Plan, SearchSpace, config_key, make_plan
+from fusetune.tuner.worker import Worker
 
 INTERRUPTED = "interrupted: the search stopped while this trial ran; it is tried again on resume"
 
@@ -45,6 +46,7 @@ class Context:
     storage: optuna.storages.BaseStorage
     triton_version: str
     torch_version: str
+    worker: Worker | None = None  # run configs in this subprocess (None: in this process)
 
     def key(self, point: Point) -> PointKey:
         return PointKey(
@@ -116,7 +118,7 @@ class PointTuner:
         self.point_id = ctx.store.point_id(self.key)
         self.results = ctx.store.results(self.point_id)
         self.default = self.spec.canonical(self.spec.default_config(point, ctx.gpu), point)
-        self._evaluator: Evaluator | None = None
+        self._evaluator: Evaluator | Worker | None = None
         self.n_new = 0
 
     @staticmethod
@@ -134,10 +136,16 @@ class PointTuner:
             pass
 
     @property
-    def evaluator(self) -> Evaluator:
-        if self._evaluator is None:  # inputs are made only when something must run
-            self._evaluator = Evaluator(self.spec, self.point, self.ctx.backend, self.ctx.device,
-                                        seed=self.options.seed)
+    def evaluator(self) -> Evaluator | Worker:
+        """Where configs run: the context's worker process (set to this point on first use),
+        or an in-process Evaluator. Inputs are made only when something must run."""
+        if self._evaluator is None:
+            if self.ctx.worker is not None:
+                self.ctx.worker.set_point(self.point, self.options.seed)
+                self._evaluator = self.ctx.worker
+            else:
+                self._evaluator = Evaluator(self.spec, self.point, self.ctx.backend,
+                                            self.ctx.device, seed=self.options.seed)
         return self._evaluator
 
     # -- one config ----------------------------------------------------------------------------
@@ -270,8 +278,12 @@ class PointTuner:
         times: dict[str, list[float]] = {config_key(c): [] for c in finalists}
         for _ in range(self.options.rounds):
             for c in finalists:
-                times[config_key(c)].append(self.evaluator.time(c)[1])
-        medians = {k: statistics.median(v) for k, v in times.items()}
+                q = self.evaluator.time(c)
+                if q is not None:  # None: the worker crashed on it this time; leave it out
+                    times[config_key(c)].append(q[1])
+        medians = {k: statistics.median(v) for k, v in times.items() if v}
+        if not medians:
+            return res
         wkey = min(medians, key=medians.__getitem__)
         res.winner = next(c for c in finalists if config_key(c) == wkey)
         res.time_us = medians[wkey]

@@ -1,0 +1,175 @@
+"""The benchmark worker: configs are compiled, checked and timed in a subprocess.
+
+A config that kills the process (segfault, illegal memory access that poisons the CUDA
+context) or never returns (a hanging kernel or compile) takes down the worker, not the search:
+the parent records the config as `crashed` or `timeout` with the reason, starts a new worker on
+the same point and goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing as mp
+import os
+import signal
+from multiprocessing.connection import Connection
+from typing import Any
+
+from fusetune.kernels._spec import Config, KernelSpec, Point
+from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
+
+EXIT_DEVICE_LOST = 3
+
+
+def resolve_spec(ref: str) -> KernelSpec:
+    """A registered kernel's name, or "module:attribute" of any KernelSpec."""
+    if ":" in ref:
+        module, attr = ref.split(":", 1)
+        spec = getattr(importlib.import_module(module), attr)
+        assert isinstance(spec, KernelSpec), f"{ref} is not a KernelSpec"
+        return spec
+    from fusetune.kernels import get_spec
+
+    return get_spec(ref)
+
+
+def _serve(conn: Connection, spec_ref: str, backend: str, device: str) -> None:
+    """The worker's loop: ("point", point, seed) | ("eval", config) | ("time", config)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    spec = resolve_spec(spec_ref)
+    evaluator: Evaluator | None = None
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        kind = msg[0]
+        if kind == "point":
+            evaluator = Evaluator(spec, msg[1], backend, device, seed=msg[2])
+            conn.send(("ready",))
+        elif kind in ("eval", "time"):
+            assert evaluator is not None, "a point must be set before configs are run"
+            try:
+                if kind == "eval":
+                    conn.send(("outcome", evaluator.evaluate(msg[1])))
+                else:
+                    conn.send(("times", evaluator.time(msg[1])))
+            except DeviceLostError as exc:  # the context is gone: report, then die
+                conn.send(("outcome", Outcome("crashed", str(exc))))
+                os._exit(EXIT_DEVICE_LOST)
+        else:
+            return
+
+
+def _death(proc: mp.process.BaseProcess) -> str:
+    code = proc.exitcode
+    if code is None:
+        return "the worker stopped answering"
+    if code < 0:
+        try:
+            return f"the worker was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"the worker was killed by signal {-code}"
+    return f"the worker exited with code {code}"
+
+
+class Worker:
+    """One worker process for one device; restarted after a crash or a timeout."""
+
+    def __init__(self, spec_ref: str, backend: str, device: str, timeout_s: float) -> None:
+        self.spec_ref, self.backend, self.device = spec_ref, backend, device
+        self.timeout_s = timeout_s
+        self.restarts = 0
+        self._ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
+        self._proc: mp.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._point: tuple[Point, int] | None = None
+
+    # -- process management --------------------------------------------------------------------
+
+    def _start(self) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_serve, args=(child, self.spec_ref, self.backend,
+                                                      self.device), daemon=True,
+                                 name="fusetune-worker")
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        if self._point is not None:
+            reply = self._call(("point", *self._point), self.timeout_s)
+            if reply is None or reply[0] != "ready":
+                raise RuntimeError(f"the benchmark worker could not load {self._point[0].label}: "
+                                   f"{self._last_death}")
+
+    def _stop(self) -> None:
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        if conn is not None:
+            conn.close()
+        if proc is not None and proc.is_alive():
+            proc.kill()
+        if proc is not None:
+            proc.join(timeout=30)
+
+    def _restart(self) -> None:
+        self._stop()
+        self.restarts += 1
+        self._start()
+
+    def _call(self, msg: tuple[Any, ...], timeout_s: float) -> tuple[Any, ...] | None:
+        """Sends `msg`; the reply, or None if the worker died or did not answer in time."""
+        if self._proc is None:
+            self._start()
+        assert self._conn is not None and self._proc is not None
+        try:
+            self._conn.send(msg)
+            if self._conn.poll(timeout_s):
+                return self._conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
+            pass
+        self._proc.join(timeout=1)
+        self._last_death = _death(self._proc)
+        return None
+
+    _last_death = ""
+
+    # -- the evaluator interface ---------------------------------------------------------------
+
+    def set_point(self, point: Point, seed: int) -> None:
+        self._point = (point, seed)
+        if self._proc is None:
+            self._start()
+        else:
+            reply = self._call(("point", point, seed), self.timeout_s)
+            if reply is None:
+                self._restart()
+
+    def evaluate(self, config: Config) -> Outcome:
+        reply = self._call(("eval", config), self.timeout_s)
+        if reply is None:
+            timed_out = self._proc is not None and self._proc.is_alive()
+            reason = (f"no result within {self.timeout_s:g} s (hang in compile or kernel)"
+                      if timed_out else self._last_death)
+            self._restart()
+            return Outcome("timeout" if timed_out else "crashed", reason)
+        out: Outcome = reply[1]
+        if self._proc is not None:
+            self._proc.join(timeout=0.5 if out.status == "crashed" else 0)
+            if not self._proc.is_alive():  # it died after reporting a lost device
+                self._restart()
+        return out
+
+    def time(self, config: Config) -> tuple[float, float, float] | None:
+        """(p20, p50, p80) µs, or None if that config now crashes or hangs the worker."""
+        reply = self._call(("time", config), self.timeout_s)
+        if reply is None or reply[0] != "times":
+            self._restart()
+            return None
+        return reply[1]
+
+    def close(self) -> None:
+        if self._conn is not None and self._proc is not None and self._proc.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self._conn.send(("stop",))
+        self._stop()

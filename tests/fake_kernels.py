@@ -1,0 +1,51 @@
+"""A kernel spec whose configs misbehave on purpose, for the worker and tuner tests.
+
+MODE 1 is right, 2 kills its process (as a segfault would), 3 hangs, 4 raises, 5 computes the
+wrong result, 6 reports a lost CUDA context. It runs plain torch on the CPU (no Triton)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from fusetune.kernels._spec import Config, Cost, KernelSpec, Point, Resources, Tensors
+
+MODES = {1: "ok", 2: "crash", 3: "hang", 4: "raise", 5: "wrong", 6: "device lost"}
+
+
+def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
+    mode = config["MODE"]
+    if mode == 2:
+        os._exit(139)  # what a segfault looks like from the parent
+    if mode == 3:
+        time.sleep(3600)
+    if mode == 4:
+        raise RuntimeError("planted runtime error")
+    if mode == 6:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    outputs["y"].copy_(inputs["x"] * (3.0 if mode == 5 else 2.0))
+
+
+SPEC = KernelSpec(
+    name="fake",
+    description="misbehaving configs for tests",
+    dim_names=("dim",),
+    config_keys=("MODE", "num_warps"),
+    pow2_keys=("num_warps",),
+    make_inputs=lambda p, device: {"x": torch.randn(p.rows, p.dim["dim"], device=device)},
+    make_outputs=lambda inputs: {"y": torch.empty_like(inputs["x"])},
+    reference=lambda inputs: {"y": inputs["x"] * 2.0},
+    launch=_launch,
+    default_config=lambda p, gpu: {"MODE": 1, "num_warps": 4},
+    resources=lambda c, p: Resources(smem_bytes=0, regs_per_thread=32,
+                                     threads=32 * c["num_warps"]),
+    cost=lambda p: Cost(bytes=8 * p.rows * p.dim["dim"], flops=p.rows * p.dim["dim"]),
+    canonical=lambda c, p: dict(c),
+    dims_from_model=lambda m: {"dim": m.dim},
+)
+
+
+def point() -> Point:
+    return Point.make("fake", {"dim": 16}, 1, 4, "float32")

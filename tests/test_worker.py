@@ -1,0 +1,71 @@
+"""The worker subprocess: crashing, hanging and failing configs become results, not crashes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from fake_kernels import MODES, SPEC, point
+
+from fusetune import gpus
+from fusetune.db.store import Store
+from fusetune.tuner.search import open_storage
+from fusetune.tuner.space import Param, SearchSpace
+from fusetune.tuner.study import Context, PointTuner, SearchOptions
+from fusetune.tuner.worker import Worker
+
+REF = "fake_kernels:SPEC"
+
+
+@pytest.fixture
+def worker() -> Worker:
+    w = Worker(REF, "interpreter", "cpu", timeout_s=5)
+    w.set_point(point(), 0)
+    yield w
+    w.close()
+
+
+def cfg(mode: int) -> dict[str, int]:
+    return {"MODE": mode, "num_warps": 4}
+
+
+def test_each_failure_is_an_outcome_and_the_worker_comes_back(worker: Worker) -> None:
+    expected = {1: "ok", 2: "crashed", 3: "timeout", 4: "runtime_error", 5: "wrong_result",
+                6: "crashed"}
+    for mode, status in expected.items():
+        t0 = time.monotonic()
+        out = worker.evaluate(cfg(mode))
+        assert out.status == status, (MODES[mode], out)
+        assert out.status == "ok" or out.reason, out
+        assert time.monotonic() - t0 < 60
+        # After every failure, a right config still works in the (restarted) worker.
+        assert worker.evaluate(cfg(1)).status == "ok"
+    assert worker.restarts == 3  # crash, hang, lost device
+    assert "SIGSEGV" in worker.evaluate(cfg(2)).reason or "139" in worker._last_death
+    assert "no result within 5 s" in worker.evaluate(cfg(3)).reason
+
+
+def test_time_of_a_crashing_config_is_none(worker: Worker) -> None:
+    q = worker.time(cfg(1))
+    assert q is not None and q[0] <= q[1] <= q[2]
+    assert worker.time(cfg(2)) is None
+    assert worker.time(cfg(1)) is not None
+
+
+def test_a_search_over_bad_configs_ends_with_the_right_winner(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/ft.db"
+    space = SearchSpace("fake", (Param("MODE", "values", tuple(MODES)),
+                                 Param("num_warps", "pow2", (4,))), "test")
+    w = Worker(REF, "interpreter", "cpu", timeout_s=5)
+    try:
+        ctx = Context(SPEC, space, gpus.INTERPRETER, "interpreter", "cpu", Store(url),
+                      open_storage(url), "t", "v", w)
+        res = PointTuner(ctx, point(), SearchOptions(trials=10, rounds=1)).run()
+    finally:
+        w.close()
+    statuses = {r.config["MODE"]: r.status for r in ctx.store.results(
+        ctx.store.point_id(ctx.key(point()))).values()}
+    assert statuses == {1: "ok", 2: "crashed", 3: "timeout", 4: "runtime_error",
+                        5: "wrong_result", 6: "crashed"}
+    assert res.winner == cfg(1)
