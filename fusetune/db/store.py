@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, event, select
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from fusetune.db.models import Base, PointRow, ResultRow, RunningRow, WinnerRow, utcnow
@@ -70,7 +71,14 @@ class Store:
     def __init__(self, url: str = DEFAULT_DB) -> None:
         self.url = url
         self.engine = make_engine(url)
-        Base.metadata.create_all(self.engine)
+        for attempt in range(5):
+            try:
+                Base.metadata.create_all(self.engine)
+                break
+            except OperationalError:  # another process created a table between check and create
+                if attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
         self._session = sessionmaker(self.engine, expire_on_commit=False)
 
     def session(self) -> Session:

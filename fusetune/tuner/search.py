@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -144,7 +145,17 @@ def make_points(req: Request) -> list[Point]:
 def open_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's storage on the same database as fusetune's tables."""
     import optuna
+    from sqlalchemy.exc import SQLAlchemyError
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    for attempt in range(5):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        except SQLAlchemyError:
+            # Two searches creating Optuna's tables at once: one of them loses the race
+            # (e.g. on alembic_version); the tables exist on the next try.
+            if attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
