@@ -86,11 +86,15 @@ def _fail_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage
     if not running:
         return 0
     claims = store.running(point_id)
+    # An unclaimed RUNNING trial is a live search's only in the instant between asking for it
+    # and claiming it; with no live claim on the point at all, no search is running here.
+    others_live = any(not is_stale(c, None) for c in claims.values())
     study_id = storage.get_study_id_from_name(study.study_name)
     failed = 0
     for t in running:
         claim = claims.get(t.number)
-        if not is_stale(claim, t.datetime_start):
+        unclaimed_and_alone = claim is None and not others_live
+        if not unclaimed_and_alone and not is_stale(claim, t.datetime_start):
             continue
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
         try:
@@ -242,17 +246,19 @@ class PointTuner:
                     repeats = 0
                 continue
             repeats = 0
-            try:
-                with Heartbeat(ctx.store, self.point_id, trial.number):
+            # The claim covers the trial until Optuna has its result: a search starting on this
+            # point meanwhile sees a live trial, not a stale one.
+            with Heartbeat(ctx.store, self.point_id, trial.number):
+                try:
                     out = self._evaluate(config, trial.number)
-            except (KeyboardInterrupt, DeviceLostError) as exc:
-                reason = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else str(exc)
-                trial.set_user_attr("status", "interrupted" if isinstance(
-                    exc, KeyboardInterrupt) else "crashed")
-                trial.set_user_attr("reason", reason)
-                study.tell(trial, state=TrialState.FAIL)
-                raise
-            self._tell(study, trial, out)
+                except (KeyboardInterrupt, DeviceLostError) as exc:
+                    reason = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else str(exc)
+                    trial.set_user_attr("status", "interrupted" if isinstance(
+                        exc, KeyboardInterrupt) else "crashed")
+                    trial.set_user_attr("reason", reason)
+                    study.tell(trial, state=TrialState.FAIL)
+                    raise
+                self._tell(study, trial, out)
             if out.status != "infeasible":
                 best = min((self._value(k) for k in self.results), default=math.inf)
                 self.progress(self._evaluated_feasible(), target,
