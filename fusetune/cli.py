@@ -317,10 +317,20 @@ def export(path: str, gpu_name: str | None, kernel: str | None, db: str) -> None
 @click.option("--db", default=DEFAULT_DB, show_default=True, help="Database URL.")
 @click.option("--gpu", "gpu_name", default=None, help="Only this GPU.")
 @click.option("--kernel", "-k", default=None, help="Only this kernel.")
-def show(db: str, gpu_name: str | None, kernel: str | None) -> None:
+@click.option("--point", "point_id", type=int, default=None,
+              help="One point (its id in the listing): its fastest configs and why the others "
+                   "failed.")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True,
+              help="How many configs --point lists.")
+def show(db: str, gpu_name: str | None, kernel: str | None, point_id: int | None,
+         top: int) -> None:
     """Print what the database holds: points, results by status, winners."""
     from fusetune import gpus as g
     from fusetune.db.store import Store
+
+    if point_id is not None:
+        _show_point(Store(db), point_id, top)
+        return
 
     try:
         gpu = g.resolve(gpu_name).name if gpu_name else None
@@ -329,8 +339,8 @@ def show(db: str, gpu_name: str | None, kernel: str | None) -> None:
     store = Store(db)
     winners = {p.id: w for p, w in store.winners(gpu=gpu, kernel=kernel)}
     t = Table(title=f"Points in {db}")
-    for col in ("gpu", "kernel", "dims", "b", "s", "dtype", "backend", "triton", "results",
-                "winner", "µs", "default µs", "speedup"):
+    for col in ("id", "gpu", "kernel", "dims", "b", "s", "dtype", "backend", "triton",
+                "results", "winner", "µs", "default µs", "speedup"):
         t.add_column(col)
     n = 0
     for p in store.points():
@@ -340,7 +350,8 @@ def show(db: str, gpu_name: str | None, kernel: str | None) -> None:
         counts = store.status_counts(p.id)
         w = winners.get(p.id)
         speed = w.default_us / w.time_us if w and w.default_us else None
-        t.add_row(p.gpu, p.kernel, p.dims, str(p.batch), str(p.seq), p.dtype, p.backend,
+        t.add_row(str(p.id), p.gpu, p.kernel, p.dims, str(p.batch), str(p.seq), p.dtype,
+                  p.backend,
                   p.triton_version, " ".join(f"{k}:{v}" for k, v in sorted(counts.items())),
                   _config_str(w.config if w else None), _fmt(w.time_us if w else None, ".2f"),
                   _fmt(w.default_us if w else None, ".2f"), _fmt(speed, ".2f"))
@@ -348,6 +359,34 @@ def show(db: str, gpu_name: str | None, kernel: str | None) -> None:
         console.print(f"{db} holds no points" + (" matching the filters" if gpu or kernel else ""))
         return
     console.print(t)
+
+
+def _show_point(store: Any, point_id: int, top: int) -> None:
+    p = store.point(point_id)
+    if p is None:
+        ids = [str(q.id) for q in store.points()]
+        raise click.ClickException(f"no point {point_id} in {store.url}; points: "
+                                   f"{', '.join(ids) or 'none'} (see `fusetune show`)")
+    counts = store.status_counts(p.id)
+    console.print(f"Point {p.id}: {p.kernel} {p.dims} b={p.batch} s={p.seq} {p.dtype} on {p.gpu} "
+                  f"({p.backend}, Triton {p.triton_version}, torch {p.torch_version}); results: "
+                  + " ".join(f"{k}:{v}" for k, v in sorted(counts.items())))
+    t = Table(title=f"Fastest {top} correct configs")
+    for col in ("config", "p20 µs", "p50 µs", "p80 µs", "rel err", "compile s", "trial"):
+        t.add_column(col)
+    for r in store.top_results(p.id, top):
+        t.add_row(_config_str(r.config), _fmt(r.p20_us, ".2f"), _fmt(r.time_us, ".2f"),
+                  _fmt(r.p80_us, ".2f"), _fmt(r.rel_err, ".1e"), _fmt(r.compile_s, ".2f"),
+                  "-" if r.trial_number is None else str(r.trial_number))
+    console.print(t)
+    failures = store.failure_reasons(p.id)
+    if failures:
+        f = Table(title="Failed or pruned configs, by reason")
+        for col in ("status", "reason", "configs"):
+            f.add_column(col)
+        for status, reason, n in failures:
+            f.add_row(status, reason, str(n))
+        console.print(f)
 
 
 if __name__ == "__main__":

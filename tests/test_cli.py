@@ -412,3 +412,31 @@ def test_every_kernel_plans_with_defaults(kernel: str) -> None:
 
     dims = get_spec(kernel).dims_from_model(preset("tiny"))
     assert dims and all(v >= 0 for v in dims.values())
+
+
+def test_show_point_lists_top_configs_and_failure_reasons(db_url: str) -> None:
+    from fusetune.db.store import PointKey
+
+    store = Store(db_url)
+    pid = store.point_id(PointKey("h100-sxm", "rmsnorm", {"dim": 64}, 1, 1, "float16", "",
+                                  "cuda", "k", "3.6.0", "2.11"))
+    base = {"ROWS": 1, "num_warps": 4, "num_stages": 1}
+    for i, us in enumerate((9.0, 7.0, 8.0)):
+        store.record(pid, f"ok{i}", {"BLOCK_D": 64 << i, **base}, "ok", time_us=us,
+                     p20_us=us - 0.5, p80_us=us + 0.5, rel_err=1e-4, compile_s=0.3)
+    store.record(pid, "f1", {"BLOCK_D": 16, **base}, "oor", "out of resource: shared memory, "
+                 "Required: 300000, Hardware limit: 232448")
+    store.record(pid, "f2", {"BLOCK_D": 32, **base}, "oor", "out of resource: shared memory, "
+                 "Required: 400000, Hardware limit: 232448")
+    store.record(pid, "f3", {"BLOCK_D": 8, **base}, "wrong_result", "y: relative error 2e-01")
+    out = invoke("show", "--db", db_url, "--point", str(pid), "--top", "2")
+    assert out.exit_code == 0, out.output
+    assert "oor:2" in out.output and "ok:3" in out.output
+    rows = re.findall(r"BLOCK_D=(\d+) ROWS=1 num_warps=4 num_stages=1 │ [\d.]+\s*│ ([\d.]+)",
+                      out.output)
+    assert rows == [("128", "7.00"), ("256", "8.00")]  # the two fastest, fastest first
+    grouped = r"oor\s*│ out of resource: shared memory, Required: N, Hardware limit: N\s*│ 2"
+    assert re.search(grouped, out.output), out.output
+    assert "wrong_result" in out.output
+    missing = invoke("show", "--db", db_url, "--point", "99")
+    assert missing.exit_code != 0 and f"points: {pid}" in missing.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -189,6 +190,27 @@ class Store:
         with self.session() as s:
             rows = s.scalars(select(RunningRow).where(RunningRow.point_id == point_id)).all()
             return {r.trial_number: r for r in rows}
+
+    def point(self, point_id: int) -> PointRow | None:
+        with self.session() as s:
+            return s.get(PointRow, point_id)
+
+    def top_results(self, point_id: int, n: int) -> list[ResultRow]:
+        """The `n` fastest correct configs of a point."""
+        q = (select(ResultRow).where(ResultRow.point_id == point_id, ResultRow.status == "ok")
+             .order_by(ResultRow.time_us).limit(n))
+        with self.session() as s:
+            return list(s.scalars(q).all())
+
+    def failure_reasons(self, point_id: int) -> list[tuple[str, str, int]]:
+        """(status, reason, how many configs) of a point's failed configs, most frequent first.
+
+        Reasons that differ only in numbers (register counts, sizes) are grouped together."""
+        groups: Counter[tuple[str, str]] = Counter()
+        for r in self.results(point_id).values():
+            if r.status != "ok":
+                groups[(r.status, re.sub(r"\d+", "N", r.reason or ""))] += 1
+        return [(st, reason, n) for (st, reason), n in groups.most_common()]
 
     def status_counts(self, point_id: int) -> Counter[str]:
         return Counter(r.status for r in self.results(point_id).values())
