@@ -276,16 +276,19 @@ def _print_summary(results: Sequence[Any], target: Any) -> None:
     gpu = target.gpu
     t = Table(title=f"Winners on {gpu.name}" + (" (interpreter: timings meaningless)"
                                                 if target.backend == "interpreter" else ""))
-    for col in ("point", "winner", "µs", "default µs", "speedup", "GB/s", "% of BW", "evaluated",
-                "failed"):
+    for col in ("point", "winner", "µs", "default µs", "speedup", "floor µs", "GB/s", "% of BW",
+                "evaluated", "failed"):
         t.add_column(col)
     for r in results:
         gbs = r.cost.bytes / (r.time_us * 1e3) if r.time_us else None
         pct = 100 * gbs / gpu.bandwidth_gbs if gbs and gpu.bandwidth_gbs else None
+        peak = gpu.peak_bf16_tflops if r.point.dtype == "bfloat16" else gpu.peak_fp16_tflops
+        floor = r.cost.floor_us(gpu.bandwidth_gbs, peak)  # datasheet rates: a lower bound
         failed = sum(n for s, n in r.statuses.items() if s not in ("ok", "infeasible"))
         t.add_row(r.point.label, _config_str(r.winner), _fmt(r.time_us, ".2f"),
                   _fmt(r.default_us, ".2f"), _fmt(r.speedup, ".2f") + ("×" if r.speedup else ""),
-                  _fmt(gbs, ".0f"), _fmt(pct, ".0f"), str(r.n_evaluated), str(failed))
+                  _fmt(floor, ".2f"), _fmt(gbs, ".0f"), _fmt(pct, ".0f"), str(r.n_evaluated),
+                  str(failed))
     console.print(t)
 
 
