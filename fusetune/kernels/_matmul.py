@@ -24,6 +24,25 @@ def grouped_tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return first_m + (pid % in_group) % group_m, (pid % in_group) // group_m
 
 
+@triton.jit
+def dot(a, b, acc, IEEE: tl.constexpr):
+    """acc + a·b; with IEEE, exact float32 products (float32 inputs) instead of tf32."""
+    if IEEE:  # noqa: SIM108  (a Triton constexpr branch: one tl.dot per precision)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def rms_scaled(x, g):
+    """For an x tile [BLOCK_M, BLOCK_K] and the RMSNorm weight tile g [BLOCK_K]: x ⊙ g, computed
+    in float32 and rounded back to x's type for the tensor cores, and the rows' sums of x²
+    (float32) to accumulate for rstd."""
+    xf = x.to(tl.float32)
+    return (xf * g.to(tl.float32)[None, :]).to(x.dtype), tl.sum(xf * xf, axis=1)
+
+
 def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point], Resources]
                   ) -> Config:
     """Tutorial-style tiles: tall-skinny for decode, 128x128 for prefill; then fewer stages

@@ -22,8 +22,10 @@ from fusetune.gpus import GpuSpec
 from fusetune.kernels._matmul import (
     collapse_tiles,
     default_tiles,
+    dot,
     grouped_tile,
     pipelined_smem,
+    rms_scaled,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
@@ -79,16 +81,10 @@ def _ffn_kernel(
         g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
         w1 = tl.load(w1_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         w3 = tl.load(w3_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        xf = x.to(tl.float32)
-        sumsq += tl.sum(xf * xf, axis=1)
-        # x ⊙ g in float32, rounded back to the input type for the tensor cores.
-        xg = (xf * g.to(tl.float32)[None, :]).to(X.dtype.element_ty)
-        if IEEE:
-            acc1 = tl.dot(xg, w1, acc1, input_precision="ieee")
-            acc3 = tl.dot(xg, w3, acc3, input_precision="ieee")
-        else:
-            acc1 = tl.dot(xg, w1, acc1)
-            acc3 = tl.dot(xg, w3, acc3)
+        xg, x_sumsq = rms_scaled(x, g)
+        sumsq += x_sumsq
+        acc1 = dot(xg, w1, acc1, IEEE)
+        acc3 = dot(xg, w3, acc3, IEEE)
         x_ptrs += BLOCK_K
         w1_ptrs += BLOCK_K
         w3_ptrs += BLOCK_K
@@ -242,5 +238,5 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
-    source_objects=(_ffn_kernel, grouped_tile, _launch_2d),
+    source_objects=(_ffn_kernel, grouped_tile, dot, rms_scaled, _launch_2d),
 )

@@ -25,6 +25,7 @@ from fusetune.gpus import GpuSpec
 from fusetune.kernels._matmul import (
     collapse_tiles,
     default_tiles,
+    dot,
     grouped_tile,
     pipelined_smem,
 )
@@ -81,10 +82,7 @@ def _lola_kernel(
         sum_x += tl.sum(xf, axis=1)
         sum_x2 += tl.sum(xf * xf, axis=1)
         sum_w += tl.sum(w.to(tl.float32), axis=0)
-        if IEEE:  # noqa: SIM108  (two tl.dot calls: the precision must be a literal)
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+        acc = dot(x, w, acc, IEEE)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -235,5 +233,5 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
-    source_objects=(_lola_kernel, grouped_tile, _launch_2d),
+    source_objects=(_lola_kernel, grouped_tile, dot, _launch_2d),
 )

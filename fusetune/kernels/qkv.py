@@ -29,8 +29,10 @@ from fusetune.gpus import GpuSpec
 from fusetune.kernels._matmul import (
     collapse_tiles,
     default_tiles,
+    dot,
     grouped_tile,
     pipelined_smem,
+    rms_scaled,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
@@ -108,15 +110,10 @@ def _qkv_kernel(
         g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
         wa = tl.load(wa_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
         wb = tl.load(wb_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
-        xf = x.to(tl.float32)
-        sumsq += tl.sum(xf * xf, axis=1)
-        xg = (xf * g.to(tl.float32)[None, :]).to(X.dtype.element_ty)
-        if IEEE:
-            acc_a = tl.dot(xg, wa, acc_a, input_precision="ieee")
-            acc_b = tl.dot(xg, wb, acc_b, input_precision="ieee")
-        else:
-            acc_a = tl.dot(xg, wa, acc_a)
-            acc_b = tl.dot(xg, wb, acc_b)
+        xg, x_sumsq = rms_scaled(x, g)
+        sumsq += x_sumsq
+        acc_a = dot(xg, wa, acc_a, IEEE)
+        acc_b = dot(xg, wb, acc_b, IEEE)
         x_ptrs += BLOCK_K
         wa_ptrs += BLOCK_K
         wb_ptrs += BLOCK_K
@@ -343,5 +340,5 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
-    source_objects=(_qkv_kernel, grouped_tile, _launch_2d),
+    source_objects=(_qkv_kernel, grouped_tile, dot, rms_scaled, _launch_2d),
 )
