@@ -8,19 +8,16 @@ fusion must not exceed).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import fusetune
-from benchmarks.timing import gemm_report, time_cases
+from benchmarks.timing import gemm_report, heading, parser, run, start
 from fusetune.kernels._spec import Point
 from fusetune.kernels.lola import SPEC
-from fusetune.tables import gpu_for_device
 
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "gemm_alone")
 
@@ -73,33 +70,20 @@ def make_case(m: int, d: int, n: int, dtype_name: str, gpu: Any, compiled: Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tables", help="lookup table (fusetune export); default: shipped tables")
+    ap = parser(__doc__, IMPLS)
     ap.add_argument("--shapes", default="4096:768:3072,1:4096:16384,4096:4096:16384",
                     help="M:in:out triples, comma-separated")
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--impls", default=",".join(IMPLS), help="implementations to time")
-    ap.add_argument("--no-graph", action="store_true",
-                    help="time plain Python calls instead of CUDA-graph replays")
-    ap.add_argument("--markdown")
-    ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    gpu = start(args)
+    if gpu is None:
         return 2
-    if args.tables:
-        fusetune.load_tables(args.tables)
-    gpu = gpu_for_device(torch.device("cuda"))
     compiled = torch.compile(eager_lola)
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     cases = [make_case(m, d, n, dt, gpu, compiled) for dt in args.dtype.split(",")
              for m, d, n in shapes]
-    medians, host = time_cases(cases, args.impls.split(","), args.rounds,
-                               graphs=not args.no_graph)
-    head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
-            f"Triton {triton.__version__}; GPU µs: medians of do_bench (L2 flushed) over "
-            "CUDA-graph replays, median of interleaved rounds")
+    medians, host = run(args, cases)
+    head = heading(gpu, "LayerNorm -> Linear -> GELU")
     gemm_report(head, cases, medians, IMPLS, SPEC.config_keys, host, args.markdown, args.json)
     return 0
 

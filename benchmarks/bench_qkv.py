@@ -8,19 +8,17 @@ cuBLAS GEMM alone on the stacked [Wq; Wk; Wv] weight.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import fusetune
-from benchmarks.timing import gemm_report, time_cases
+from benchmarks.timing import gemm_report, heading, parser, run, start
 from fusetune.kernels._spec import Point
 from fusetune.kernels.qkv import SPEC
-from fusetune.tables import gpu_for_device
+from fusetune.models import preset
 
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "gemm_alone")
 
@@ -105,35 +103,20 @@ def make_case(m: int, dims: dict[str, int], dtype_name: str, gpu: Any, compiled:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tables", help="lookup table (fusetune export); default: shipped tables")
+    ap = parser(__doc__, IMPLS)
     ap.add_argument("--model", default="llama-2-7b")
     ap.add_argument("--rows", default="1,16,4096")
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--impls", default=",".join(IMPLS), help="implementations to time")
-    ap.add_argument("--no-graph", action="store_true",
-                    help="time plain Python calls instead of CUDA-graph replays")
-    ap.add_argument("--markdown")
-    ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    gpu = start(args)
+    if gpu is None:
         return 2
-    if args.tables:
-        fusetune.load_tables(args.tables)
-    from fusetune.models import preset
-
     dims = SPEC.dims_from_model(preset(args.model))
-    gpu = gpu_for_device(torch.device("cuda"))
     compiled = torch.compile(eager_qkv)
     cases = [make_case(int(m), dims, dt, gpu, compiled)
              for dt in args.dtype.split(",") for m in args.rows.split(",")]
-    medians, host = time_cases(cases, args.impls.split(","), args.rounds,
-                               graphs=not args.no_graph)
-    head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
-            f"Triton {triton.__version__}, {args.model} {dims}; GPU µs: medians of do_bench "
-            "(L2 flushed) over CUDA-graph replays, median of interleaved rounds")
+    medians, host = run(args, cases)
+    head = heading(gpu, f"{args.model} {dims}")
     gemm_report(head, cases, medians, IMPLS, SPEC.config_keys, host, args.markdown, args.json)
     return 0
 

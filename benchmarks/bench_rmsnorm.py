@@ -9,21 +9,16 @@ over CUDA-graph replays of each implementation, plus the Python-side cost of one
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-import triton
 
 import fusetune
-from benchmarks.timing import time_cases
+from benchmarks.timing import heading, parser, report, run, start
 from fusetune.kernels._spec import Point
 from fusetune.kernels.rmsnorm import SPEC
-from fusetune.tables import gpu_for_device
 
 FLOOR_TBS = 3.0  # measured device-to-device copy ceiling of the H100 (bytes read + written)
 
@@ -100,53 +95,30 @@ def row(case: dict[str, object], t: dict[str, float | None]) -> tuple[str, dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tables", help="lookup table (fusetune export); default: shipped tables")
+    ap = parser(__doc__, IMPLS)
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--rows", default="1,32,512,4096,16384")
     ap.add_argument("--dtype", default="float16,bfloat16")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="implementations to time")
-    ap.add_argument("--no-graph", action="store_true",
-                    help="time the plain Python calls instead of CUDA-graph replays")
-    ap.add_argument("--markdown", help="write the table here too")
-    ap.add_argument("--json", help="write raw numbers here")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    gpu = start(args)
+    if gpu is None:
         return 2
-    if args.tables:
-        fusetune.load_tables(args.tables)
-    gpu = gpu_for_device(torch.device("cuda"))
     liger = _liger()
     compiled = torch.compile(eager_rmsnorm)
     d = args.dim
-    head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
-            f"Triton {triton.__version__}, D={d}; GPU µs (TB/s): medians of do_bench (L2 flushed) "
-            "over CUDA-graph replays, median of interleaved rounds")
+    head = heading(gpu, f"D={d}; (TB/s) beside each time")
     cols = ["dtype", "M", "MB moved", "floor µs", "tuned", "default", "eager", "compile",
             "liger", "copy", "tuned/copy BW", "tuned BLOCK_D/ROWS/warps/stages"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     raw = []
     cases = [make_case(m, d, dt, gpu, compiled, liger) for dt in args.dtype.split(",")
              for m in (int(v) for v in args.rows.split(","))]
-    medians, host = time_cases(cases, args.impls.split(","), args.rounds,
-                               graphs=not args.no_graph)
+    medians, host = run(args, cases)
     for case, t in zip(cases, medians, strict=True):
         line, record = row(case, t)
         lines.append(line)
         raw.append(record)
-    c0 = cases[0]
-    lines += ["", f"Python-side cost of one call at {c0['dtype']} M={c0['m']} (µs of CPU, no "
-              "GPU wait; the GPU times above replay CUDA graphs, except the copy's, "
-              "and exclude it): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in host.items())]
-    text = "\n".join(lines)
-    print("\n" + text)
-    if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": raw, "host_us": host}, indent=1))
+    report(lines, raw, host, args.markdown, args.json)
     return 0
 
 

@@ -8,19 +8,16 @@ so its row counts twice the bytes) vs a device-to-device copy of the same bytes.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
 
 import fusetune
-from benchmarks.timing import report, time_cases
+from benchmarks.timing import heading, parser, report, run, start
 from fusetune.kernels._spec import Point
 from fusetune.kernels.rope import SPEC, _reference
-from fusetune.tables import gpu_for_device
 
 FLOOR_TBS = 3.0
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "copy")
@@ -101,35 +98,22 @@ def _liger_fn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Callable
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tables", help="lookup table (fusetune export); default: shipped tables")
+    ap = parser(__doc__, IMPLS)
     ap.add_argument("--shapes", default="1x4096x32x128,8x4096x32x128",
                     help="BxSxHxD shapes, comma-separated")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--layouts", default="interleaved,half")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--impls", default=",".join(IMPLS), help="implementations to time")
-    ap.add_argument("--no-graph", action="store_true",
-                    help="time plain Python calls instead of CUDA-graph replays")
-    ap.add_argument("--markdown")
-    ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    gpu = start(args)
+    if gpu is None:
         return 2
-    if args.tables:
-        fusetune.load_tables(args.tables)
-    gpu = gpu_for_device(torch.device("cuda"))
     compiled = {"llama": torch.compile(llama_rope), "hf": torch.compile(hf_rope)}
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     cases = [make_case(shape, layout == "interleaved", dt, gpu, compiled)
              for dt in args.dtype.split(",") for layout in args.layouts.split(",")
              for shape in shapes]
-    medians, host = time_cases(cases, args.impls.split(","), args.rounds,
-                               graphs=not args.no_graph)
-    head = (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
-            f"Triton {triton.__version__}; GPU µs (TB/s): medians of do_bench (L2 flushed) over "
-            "CUDA-graph replays (the copy: plain calls), median of interleaved rounds")
+    medians, host = run(args, cases)
+    head = heading(gpu, "RoPE; (TB/s) beside each time")
     cols = ["layout", "dtype", "B×S×H×D", "MB moved", "floor µs", "tuned", "default", "eager",
             "compile", "liger (q+k)", "copy", "tuned/copy BW", "tuned BLOCK_T/BLOCK_H/warps"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

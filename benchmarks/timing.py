@@ -7,6 +7,7 @@ in interleaved rounds; each figure is the median over rounds of do_bench's media
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -22,6 +23,47 @@ Fn = Callable[[], object]
 # A plain copy is timed without a graph: its memcpy node made graph replays fault on the H100
 # machine, and its launch path is short enough not to leave the GPU idle.
 PLAIN = frozenset({"copy"})
+
+
+def parser(doc: str, impls: Sequence[str]) -> argparse.ArgumentParser:
+    """The options every benchmark has; each script adds its shapes."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--tables", help="lookup table (fusetune export); default: shipped tables")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    ap.add_argument("--impls", default=",".join(impls), help="implementations to time")
+    ap.add_argument("--no-graph", action="store_true",
+                    help="time plain Python calls instead of CUDA-graph replays")
+    ap.add_argument("--markdown", help="write the table here too")
+    ap.add_argument("--json", help="write raw numbers here")
+    return ap
+
+
+def start(args: argparse.Namespace) -> Any:
+    """The GpuSpec of the current CUDA device after loading --tables; None (after saying why)
+    where there is no CUDA GPU."""
+    import fusetune
+    from fusetune.tables import gpu_for_device
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return None
+    if args.tables:
+        fusetune.load_tables(args.tables)
+    return gpu_for_device(torch.device("cuda"))
+
+
+def heading(gpu: Any, what: str) -> str:
+    import triton
+
+    return (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
+            f"Triton {triton.__version__}, {what}; GPU µs: medians of do_bench (L2 flushed) over "
+            "CUDA-graph replays (a copy: plain calls), median of interleaved rounds")
+
+
+def run(args: argparse.Namespace, cases: Sequence[dict[str, Any]]
+        ) -> tuple[list[dict[str, float | None]], dict[str, float]]:
+    """time_cases with the command line's --impls, --rounds and --no-graph."""
+    return time_cases(cases, args.impls.split(","), args.rounds, graphs=not args.no_graph)
 
 
 def median_us(fn: Fn) -> float:
