@@ -166,7 +166,6 @@ def read_tables(path: str | Path) -> Tables:
 
 _lock = threading.Lock()
 _user: Tables | None = None
-_user_from_env = False
 _shipped: Tables | None = None
 _cache: dict[tuple[Any, ...], Config] = {}
 _warned: set[tuple[Any, ...]] = set()
@@ -175,12 +174,12 @@ _gpu_names: dict[tuple[str, int], Any] = {}
 
 def load_tables(*paths: str | Path) -> Tables:
     """Uses these table files (validated) before the shipped tables, replacing earlier ones."""
-    global _user, _user_from_env
+    global _user
     tables = Tables()
     for p in paths:
         tables.merge(read_tables(p))
     with _lock:
-        _user, _user_from_env = tables, False
+        _user = tables
         _cache.clear()
         _warned.clear()
     return tables
@@ -199,13 +198,13 @@ def _shipped_tables() -> Tables:
 
 
 def _user_tables() -> Tables | None:
-    global _user, _user_from_env
+    global _user
     if _user is None and os.environ.get(ENV_VAR):
         paths = [p for p in os.environ[ENV_VAR].split(os.pathsep) if p]
         t = Tables()
         for p in paths:
             t.merge(read_tables(p))
-        _user, _user_from_env = t, True
+        _user = t
     return _user
 
 
