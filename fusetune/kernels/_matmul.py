@@ -25,6 +25,24 @@ def grouped_tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def k_slice(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """[k_begin, k_end) of this program's share of K under split-K (the slice is
+    tl.program_id(1) of SPLIT_K): whole BLOCK_K steps each, the last slice takes what remains
+    (possibly nothing)."""
+    steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_begin = tl.program_id(1) * steps * BLOCK_K
+    return k_begin, tl.minimum(k_begin + steps * BLOCK_K, K)
+
+
+@triton.jit
+def partial_ptrs(WS, slot, rows, cols, n_rows, n_cols):
+    """Pointers to [rows, cols] of the float32 partial-sum workspace WS [slots, n_rows, n_cols]
+    at `slot`: split-K programs store their partial accumulators there and the finishing pass
+    adds the slots up."""
+    return WS + (slot * n_rows + rows[:, None]).to(tl.int64) * n_cols + cols[None, :]
+
+
+@triton.jit
 def dot(a, b, acc, IEEE: tl.constexpr):
     """acc + a·b; with IEEE, exact float32 products (float32 inputs) instead of tf32."""
     if IEEE:  # noqa: SIM108  (a Triton constexpr branch: one tl.dot per precision)
@@ -43,20 +61,28 @@ def rms_scaled(x, g):
     return (xf * g.to(tl.float32)[None, :]).to(x.dtype), tl.sum(xf * xf, axis=1)
 
 
-def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point], Resources]
-                  ) -> Config:
-    """Tutorial-style tiles: tall-skinny for decode, 128x128 for prefill; then fewer stages
-    (and smaller tiles) until `gpu` can hold the config."""
+def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point], Resources],
+                  n: int, k: int) -> Config:
+    """Tutorial-style tiles for an [M = point.rows, k] x [k, n] product: tall-skinny with the
+    norm folded in and K split for decode, 128x128 after a separate norm pass (PASSES = 2) for
+    prefill; then fewer stages (and smaller tiles) until `gpu` can hold the config."""
     m = point.rows
     if m <= 16:
-        c = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-             "num_stages": 4}
+        c = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "PASSES": 1,
+             "SPLIT_K": 1, "num_warps": 4, "num_stages": 4}
     elif m <= 128:
-        c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
-             "num_stages": 4}
+        c = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 1,
+             "SPLIT_K": 1, "num_warps": 4, "num_stages": 4}
     else:
-        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
-             "num_stages": 3}
+        c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2,
+             "SPLIT_K": 1, "num_warps": 8, "num_stages": 3}
+    if m <= 16:
+        # Decode streams the weights once: split K until there are about four programs per SM,
+        # so that every SM keeps loads in flight to the end.
+        tiles = -(-n // c["BLOCK_N"])
+        while (c["SPLIT_K"] < 8 and tiles * c["SPLIT_K"] < 4 * gpu.sms
+               and c["SPLIT_K"] * 2 * c["BLOCK_K"] <= k):
+            c["SPLIT_K"] *= 2
     while check_fits(resources(c, point), gpu) is not None:
         if c["num_stages"] > 2:
             c["num_stages"] -= 1
@@ -70,14 +96,18 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
 
 
 def collapse_tiles(config: Config, rows: int, n: int, k: int) -> Config:
-    """Tiles past the matrix only add masked lanes (tl.dot needs at least 16 per side), and
-    with a single row of tiles every GROUP_M gives the same launch order."""
+    """Tiles past the matrix only add masked lanes (tl.dot needs at least 16 per side), with
+    a single row of tiles every GROUP_M gives the same launch order, and K-slices beyond the
+    number of BLOCK_K steps would be empty."""
     c = dict(config)
     c["BLOCK_M"] = min(c["BLOCK_M"], max(16, next_pow2(rows)))
     c["BLOCK_N"] = min(c["BLOCK_N"], max(16, next_pow2(n)))
     c["BLOCK_K"] = min(c["BLOCK_K"], max(16, next_pow2(k)))
     if -(-rows // c["BLOCK_M"]) == 1:
         c["GROUP_M"] = 1
+    steps = -(-k // c["BLOCK_K"])
+    while c["SPLIT_K"] > 1 and c["SPLIT_K"] > steps:
+        c["SPLIT_K"] //= 2
     return c
 
 
@@ -88,11 +118,18 @@ def pipelined_smem(config: Config, elt: int, n_weights: int, epilogue: bool) -> 
     also stages the [BLOCK_M, BLOCK_N] output tile through shared memory (it does for ffn's
     two-accumulator epilogue, not for lola's). Checked against Triton's own allocation for
     sm_90 (tests/kernels/test_ffn.py, test_lola.py). float32 operands are laid out
-    differently: num_stages sets, no epilogue term.
+    differently: num_stages sets, no epilogue term. With PASSES = 2 (operands not modified in
+    registers) Hopper keeps num_stages sets.
     """
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    stages = config["num_stages"]
     tile = (bm * bk + n_weights * bk * bn) * elt
     if elt == 4:
-        return config["num_stages"] * tile
+        return stages * tile
     out_tile = bm * bn * elt if epilogue else 0
-    return (config["num_stages"] - 1) * tile + out_tile + 1024
+    folded = (stages - 1) * tile + out_tile + 1024
+    if config.get("PASSES", 1) == 2 and bm >= 64 and config["num_warps"] >= 4:
+        # Untouched operands go to the tensor cores straight from shared memory: with wgmma
+        # (Hopper, BLOCK_M >= 64) the compiler then keeps num_stages full sets of tiles.
+        return max(folded, stages * tile)
+    return folded

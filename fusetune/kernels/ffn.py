@@ -24,6 +24,8 @@ from fusetune.kernels._matmul import (
     default_tiles,
     dot,
     grouped_tile,
+    k_slice,
+    partial_ptrs,
     pipelined_smem,
     rms_scaled,
 )
@@ -40,6 +42,7 @@ from fusetune.kernels._spec import (
     dtype_name,
     torch_dtype,
 )
+from fusetune.kernels.rmsnorm import _rmsnorm_kernel, rmsnorm
 from fusetune.models import ModelPreset
 
 
@@ -50,6 +53,8 @@ def _ffn_kernel(
     W1,  # *[N, K] gate projection (nn.Linear layout), row stride stride_wn
     W3,  # *[N, K] up projection, same layout and strides as W1
     OUT,  # *[M, N] output, row stride stride_om
+    WS,  # *[2·SPLIT_K, M, N] float32 partial products (split-K only)
+    WSQ,  # *[SPLIT_K, M] float32 partial sums of x² (split-K with PASSES == 1 only)
     M, N, K,
     stride_xm, stride_wn, stride_om,
     eps,
@@ -57,61 +62,107 @@ def _ffn_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PASSES: tl.constexpr,  # 1: RMSNorm folded into the K loop; 2: X already normalized
+    SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a slice of K
+    FINISH: tl.constexpr,  # the split-K finishing pass: add the partials up, then the epilogue
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
 ):
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    # x tile [BLOCK_M, BLOCK_K]; weight tiles read transposed as [BLOCK_K, BLOCK_N] (W[n, k]).
-    x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_off = rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
-    w1_ptrs = W1 + w_off
-    w3_ptrs = W3 + w_off
-
+    mn_ok = m_ok[:, None] & n_ok[None, :]
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk < K - k0  # the last K-step may be partial: masked lanes read 0
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
-        w1 = tl.load(w1_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        w3 = tl.load(w3_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        xg, x_sumsq = rms_scaled(x, g)
-        sumsq += x_sumsq
-        acc1 = dot(xg, w1, acc1, IEEE)
-        acc3 = dot(xg, w3, acc3, IEEE)
-        x_ptrs += BLOCK_K
-        w1_ptrs += BLOCK_K
-        w3_ptrs += BLOCK_K
+    if FINISH:
+        for s in range(SPLIT_K):
+            acc1 += tl.load(partial_ptrs(WS, 2 * s, rm, rn, M, N), mask=mn_ok, other=0.0)
+            acc3 += tl.load(partial_ptrs(WS, 2 * s + 1, rm, rn, M, N), mask=mn_ok, other=0.0)
+            if PASSES == 1:
+                sumsq += tl.load(WSQ + s * M + rm, mask=m_ok, other=0.0)
+    else:
+        k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
+        rk = tl.arange(0, BLOCK_K)
+        # x tile [BLOCK_M, BLOCK_K]; weight tiles read transposed as [BLOCK_K, BLOCK_N] (W[n, k]).
+        x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + (k_begin + rk)[None, :]
+        w_off = rn[None, :].to(tl.int64) * stride_wn + (k_begin + rk)[:, None]
+        w1_ptrs = W1 + w_off
+        w3_ptrs = W3 + w_off
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            k_ok = rk < k_end - k0  # the last K-step may be partial: masked lanes read 0
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w1 = tl.load(w1_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w3 = tl.load(w3_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if PASSES == 1:
+                g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
+                x, x_sumsq = rms_scaled(x, g)
+                sumsq += x_sumsq
+            # With PASSES == 2 the tiles go from memory to the tensor cores untouched, which
+            # lets the compiler keep the asynchronous load/MMA pipeline that large M needs.
+            acc1 = dot(x, w1, acc1, IEEE)
+            acc3 = dot(x, w3, acc3, IEEE)
+            x_ptrs += BLOCK_K
+            w1_ptrs += BLOCK_K
+            w3_ptrs += BLOCK_K
 
-    rstd = tl.rsqrt(sumsq / K + eps)[:, None]
-    a = acc1 * rstd
-    b = acc3 * rstd
-    h = a * tl.sigmoid(a) * b  # silu(a) · b, float32
-    out_ptrs = OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out_ptrs, h.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT_K > 1 and not FINISH:
+        # Partial sums of this K-slice; x² sums once per row-block (by the first column-block).
+        split = tl.program_id(1)
+        tl.store(partial_ptrs(WS, 2 * split, rm, rn, M, N), acc1, mask=mn_ok)
+        tl.store(partial_ptrs(WS, 2 * split + 1, rm, rn, M, N), acc3, mask=mn_ok)
+        if PASSES == 1 and pid_n == 0:
+            tl.store(WSQ + split * M + rm, sumsq, mask=m_ok)
+    else:
+        if PASSES == 1:
+            rstd = tl.rsqrt(sumsq / K + eps)[:, None]
+            a = acc1 * rstd
+            b = acc3 * rstd
+        else:
+            a = acc1
+            b = acc3
+        h = a * tl.sigmoid(a) * b  # silu(a) · b, float32
+        out_ptrs = OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+        tl.store(out_ptrs, h.to(OUT.dtype.element_ty), mask=mn_ok)
 
 
 def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                out: torch.Tensor, eps: float, config: Config) -> None:
-    """Launches on x [M, K], weights [N, K] (unit column strides), out [M, N]."""
+    """Launches on x [M, K], weights [N, K] (unit column strides), out [M, N].
+
+    PASSES = 2: RMSNorm runs first as its own kernel (fusetune.rmsnorm, tuned config from the
+    tables) and the matmul reads its output. SPLIT_K > 1: SPLIT_K programs per output tile
+    write float32 partial sums, and a second launch of the same kernel (FINISH) adds them up
+    and applies the epilogue.
+    """
     m, k = x.shape
     n = w1.shape[0]
     if m == 0 or n == 0:
         return
+    if config["PASSES"] == 2:
+        x = rmsnorm(x, g, eps)
+    split = config["SPLIT_K"]
+    ws = wsq = out  # not read unless split > 1
+    if split > 1:
+        ws = torch.empty((2 * split, m, n), dtype=torch.float32, device=x.device)
+        wsq = torch.empty((split, m), dtype=torch.float32, device=x.device)
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _ffn_kernel[grid](
-        x, g, w1, w3, out, m, n, k, x.stride(0), w1.stride(0), out.stride(0), eps,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-        IEEE=x.dtype == torch.float32,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+
+    def launch(grid: tuple[int, int], finish: bool) -> None:
+        _ffn_kernel[grid](
+            x, g, w1, w3, out, ws, wsq, m, n, k, x.stride(0), w1.stride(0), out.stride(0),
+            eps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+            PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
+            IEEE=x.dtype == torch.float32,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+
+    launch((tiles, split), False)
+    if split > 1:
+        launch((tiles, 1), True)
 
 
 def ffn(
@@ -194,7 +245,7 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
-    return default_tiles(point, gpu, _resources)
+    return default_tiles(point, gpu, _resources, point.dim["hidden"], point.dim["dim"])
 
 
 def _canonical(config: Config, point: Point) -> Config:
@@ -226,8 +277,9 @@ SPEC = KernelSpec(
     name="ffn",
     description="RMSNorm -> x·W1ᵀ, x·W3ᵀ in one pass over x -> silu(a)·b",
     dim_names=("dim", "hidden"),
-    config_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"),
-    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"),
+    config_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K", "num_warps",
+                 "num_stages"),
+    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"),
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,
     reference=_reference,
@@ -238,5 +290,6 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
-    source_objects=(_ffn_kernel, grouped_tile, dot, rms_scaled, _launch_2d),
+    source_objects=(_ffn_kernel, grouped_tile, k_slice, partial_ptrs, dot, rms_scaled, _launch_2d,
+                    _rmsnorm_kernel),
 )

@@ -27,6 +27,8 @@ from fusetune.kernels._matmul import (
     default_tiles,
     dot,
     grouped_tile,
+    k_slice,
+    partial_ptrs,
     pipelined_smem,
 )
 from fusetune.kernels._spec import (
@@ -40,6 +42,7 @@ from fusetune.kernels._spec import (
     as_rows,
     check_device,
     dtype_name,
+    next_pow2,
     torch_dtype,
 )
 from fusetune.models import ModelPreset
@@ -51,6 +54,8 @@ def _lola_kernel(
     W,  # *[N, K] weight (nn.Linear layout), row stride stride_wn
     B,  # *[N] bias
     OUT,  # *[M, N] output, row stride stride_om
+    WS,  # *[SPLIT_K, M, N] float32 partial products (split-K only)
+    WST,  # *[SPLIT_K, 2·M + N] float32 partial Σx, Σx² per row, Σw per column (split-K, PASSES 1)
     M, N, K,
     stride_xm, stride_wn, stride_om,
     eps,
@@ -58,58 +63,151 @@ def _lola_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PASSES: tl.constexpr,  # 1: LayerNorm folded into the K loop; 2: X already normalized
+    SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a slice of K
+    FINISH: tl.constexpr,  # the split-K finishing pass: add the partials up, then the epilogue
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
 ):
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = W + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] = Wᵀ
+    mn_ok = m_ok[:, None] & n_ok[None, :]
+    stats = 2 * M + N  # one slice's row of WST: Σx [M], Σx² [M], Σw [N]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sum_x = tl.zeros([BLOCK_M], dtype=tl.float32)
     sum_x2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     sum_w = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk < K - k0  # partial last step: masked lanes read 0 and add nothing
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        xf = x.to(tl.float32)
-        sum_x += tl.sum(xf, axis=1)
-        sum_x2 += tl.sum(xf * xf, axis=1)
-        sum_w += tl.sum(w.to(tl.float32), axis=0)
-        acc = dot(x, w, acc, IEEE)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if FINISH:
+        for s in range(SPLIT_K):
+            acc += tl.load(partial_ptrs(WS, s, rm, rn, M, N), mask=mn_ok, other=0.0)
+            if PASSES == 1:
+                sum_x += tl.load(WST + s * stats + rm, mask=m_ok, other=0.0)
+                sum_x2 += tl.load(WST + s * stats + M + rm, mask=m_ok, other=0.0)
+                sum_w += tl.load(WST + s * stats + 2 * M + rn, mask=n_ok, other=0.0)
+    else:
+        k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
+        rk = tl.arange(0, BLOCK_K)
+        # x tile [BLOCK_M, BLOCK_K]; the weight tile read transposed as [BLOCK_K, BLOCK_N].
+        x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + (k_begin + rk)[None, :]
+        w_ptrs = W + rn[None, :].to(tl.int64) * stride_wn + (k_begin + rk)[:, None]
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            k_ok = rk < k_end - k0  # partial last step: masked lanes read 0 and add nothing
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if PASSES == 1:
+                xf = x.to(tl.float32)
+                sum_x += tl.sum(xf, axis=1)
+                sum_x2 += tl.sum(xf * xf, axis=1)
+                sum_w += tl.sum(w.to(tl.float32), axis=0)
+            # With PASSES == 2 the tiles go from memory to the tensor cores untouched, which
+            # lets the compiler keep the asynchronous load/MMA pipeline that large M needs.
+            acc = dot(x, w, acc, IEEE)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
 
-    mean = sum_x / K
-    rstd = tl.rsqrt(tl.maximum(sum_x2 / K - mean * mean, 0.0) + eps)
-    bias = tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)
-    y = rstd[:, None] * (acc - mean[:, None] * sum_w[None, :]) + bias[None, :]
-    y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))  # exact GELU
-    out_ptrs = OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out_ptrs, y.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT_K > 1 and not FINISH:
+        # Partial sums of this K-slice; row statistics once per row-block (by the first
+        # column-block), column sums once per column-block (by the first row-block).
+        split = tl.program_id(1)
+        tl.store(partial_ptrs(WS, split, rm, rn, M, N), acc, mask=mn_ok)
+        if PASSES == 1:
+            if pid_n == 0:
+                tl.store(WST + split * stats + rm, sum_x, mask=m_ok)
+                tl.store(WST + split * stats + M + rm, sum_x2, mask=m_ok)
+            if pid_m == 0:
+                tl.store(WST + split * stats + 2 * M + rn, sum_w, mask=n_ok)
+    else:
+        bias = tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)
+        if PASSES == 1:
+            mean = sum_x / K
+            rstd = tl.rsqrt(tl.maximum(sum_x2 / K - mean * mean, 0.0) + eps)
+            y = rstd[:, None] * (acc - mean[:, None] * sum_w[None, :]) + bias[None, :]
+        else:
+            y = acc + bias[None, :]
+        y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))  # exact GELU
+        out_ptrs = OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+        tl.store(out_ptrs, y.to(OUT.dtype.element_ty), mask=mn_ok)
+
+
+@triton.jit
+def _layernorm_kernel(
+    X,  # *[M, K] input, row stride stride_xm, unit column stride
+    Y,  # *[M, K] output (contiguous), x's dtype
+    K,
+    stride_xm,
+    eps,
+    BLOCK_K: tl.constexpr,  # columns per step; K is covered in ceil(K / BLOCK_K) steps
+):
+    # One row per program: mean and variance in float32 (two passes over the row, the second
+    # from cache), then (x - mean) * rstd rounded to x's dtype, as torch's layer_norm returns.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_xm
+    y_row = Y + row * K
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc += tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+    mean = tl.sum(acc, axis=0) / K
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+        d = tl.where(k0 + rk < K, x - mean, 0.0)  # masked lanes must not add mean²
+        acc += d * d
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+        tl.store(y_row + k0 + rk, ((x - mean) * rstd).to(Y.dtype.element_ty), mask=k0 + rk < K)
+
+
+def layernorm_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm without affine of x [M, K] (unit column stride), in x's dtype: the first of
+    lola's two passes when PASSES = 2."""
+    m, k = x.shape
+    y = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    block = min(next_pow2(k), 8192)
+    _layernorm_kernel[(m,)](x, y, k, x.stride(0), eps, BLOCK_K=block,
+                            num_warps=max(1, min(16, block // 256)))
+    return y
 
 
 def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor, eps: float,
                config: Config) -> None:
-    """Launches on x [M, K], w [N, K] (unit column strides), b [N], out [M, N]."""
+    """Launches on x [M, K], w [N, K] (unit column strides), b [N], out [M, N].
+
+    PASSES = 2: LayerNorm runs first as its own kernel and the matmul reads its output.
+    SPLIT_K > 1: SPLIT_K programs per output tile write float32 partial sums, and a second
+    launch of the same kernel (FINISH) adds them up and applies the epilogue.
+    """
     m, k = x.shape
     n = w.shape[0]
     if m == 0 or n == 0:
         return
+    if config["PASSES"] == 2:
+        x = layernorm_rows(x, eps)
+    split = config["SPLIT_K"]
+    ws = wst = out  # not read unless split > 1
+    if split > 1:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        wst = torch.empty((split, 2 * m + n), dtype=torch.float32, device=x.device)
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _lola_kernel[grid](
-        x, w, b, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), eps,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-        IEEE=x.dtype == torch.float32,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+
+    def launch(grid: tuple[int, int], finish: bool) -> None:
+        _lola_kernel[grid](
+            x, w, b, out, ws, wst, m, n, k, x.stride(0), w.stride(0), out.stride(0), eps,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+            PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
+            IEEE=x.dtype == torch.float32,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+
+    launch((tiles, split), False)
+    if split > 1:
+        launch((tiles, 1), True)
 
 
 def lola(
@@ -191,7 +289,7 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
-    return default_tiles(point, gpu, _resources)
+    return default_tiles(point, gpu, _resources, point.dim["out"], point.dim["dim"])
 
 
 def _canonical(config: Config, point: Point) -> Config:
@@ -221,8 +319,9 @@ SPEC = KernelSpec(
     name="lola",
     description="LayerNorm (no affine) -> x·Wᵀ + b -> exact GELU",
     dim_names=("dim", "out"),
-    config_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"),
-    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"),
+    config_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K", "num_warps",
+                 "num_stages"),
+    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"),
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,
     reference=_reference,
@@ -233,5 +332,6 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
-    source_objects=(_lola_kernel, grouped_tile, dot, _launch_2d),
+    source_objects=(_lola_kernel, _layernorm_kernel, grouped_tile, k_slice, partial_ptrs, dot,
+                    _launch_2d, layernorm_rows),
 )

@@ -31,6 +31,8 @@ from fusetune.kernels._matmul import (
     default_tiles,
     dot,
     grouped_tile,
+    k_slice,
+    partial_ptrs,
     pipelined_smem,
     rms_scaled,
 )
@@ -46,6 +48,7 @@ from fusetune.kernels._spec import (
     dtype_name,
     torch_dtype,
 )
+from fusetune.kernels.rmsnorm import _rmsnorm_kernel, rmsnorm
 from fusetune.models import ModelPreset
 
 
@@ -55,6 +58,8 @@ def _qkv_kernel(
     G,  # *[K] RMSNorm weight
     WQ, WK, WV,  # *[Nq, K], *[Nkv, K], *[Nkv, K] weights (nn.Linear layout, unit column stride)
     OQ, OK, OV,  # *[M, Nq], *[M, Nkv], *[M, Nkv] outputs, contiguous
+    WS,  # *[2·SPLIT_K, M, NQ_PAIRS + 2·NKV_PAIRS] float32 partial products (split-K only)
+    WSQ,  # *[SPLIT_K, M] float32 partial sums of x² (split-K with PASSES == 1 only)
     M, K, S,  # tokens, model width, sequence length (token m sits at position start_pos + m % S)
     NQ_PAIRS, NKV_PAIRS,  # Nq / 2 and Nkv / 2
     HALF,  # head_dim / 2: pairs per head
@@ -67,6 +72,9 @@ def _qkv_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    PASSES: tl.constexpr,  # 1: RMSNorm folded into the K loop; 2: X already normalized
+    SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a slice of K
+    FINISH: tl.constexpr,  # the split-K finishing pass: add the partials up, then the epilogue
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
 ):
     # Column-blocks of the three matrices side by side: [Q blocks | K blocks | V blocks].
@@ -74,19 +82,25 @@ def _qkv_kernel(
     nb_kv = tl.cdiv(NKV_PAIRS, BLOCK_N)
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), nb_q + 2 * nb_kv, GROUP_M)
 
-    # Which matrix this program works on; V is rotated by a zero angle (no RoPE).
+    # Which matrix this program works on; V is rotated by a zero angle (no RoPE). `first` is
+    # the matrix's first pair in the workspace's columns [Q pairs | K pairs | V pairs].
     if pid_n < nb_q:
-        W, Y, stride_w, n_pairs, blk, rope = WQ, OQ, stride_wq, NQ_PAIRS, pid_n, 1.0
+        W, Y, stride_w, n_pairs, blk, rope, first = (WQ, OQ, stride_wq, NQ_PAIRS, pid_n, 1.0,
+                                                     0 * NQ_PAIRS)
     elif pid_n < nb_q + nb_kv:
-        W, Y, stride_w, n_pairs, blk, rope = WK, OK, stride_wk, NKV_PAIRS, pid_n - nb_q, 1.0
+        W, Y, stride_w, n_pairs, blk, rope, first = (WK, OK, stride_wk, NKV_PAIRS, pid_n - nb_q,
+                                                     1.0, NQ_PAIRS)
     else:
-        W, Y, stride_w, n_pairs, blk, rope = (WV, OV, stride_wv, NKV_PAIRS,
-                                              pid_n - nb_q - nb_kv, 0.0)
+        W, Y, stride_w, n_pairs, blk, rope, first = (WV, OV, stride_wv, NKV_PAIRS,
+                                                     pid_n - nb_q - nb_kv, 0.0,
+                                                     NQ_PAIRS + NKV_PAIRS)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     p = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # pair index within the matrix
     m_ok = rm < M
     p_ok = p < n_pairs
+    mp_ok = m_ok[:, None] & p_ok[None, :]
+    all_pairs = NQ_PAIRS + 2 * NKV_PAIRS
     head = p // HALF
     i = p % HALF  # pair index within the head: sets the frequency
     if INTERLEAVED:
@@ -95,68 +109,114 @@ def _qkv_kernel(
     else:
         col_a = head * (2 * HALF) + i
         col_b = col_a + HALF
-    rk = tl.arange(0, BLOCK_K)
-    x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    # Weight rows col_a and col_b, read transposed as [BLOCK_K, BLOCK_N] tiles.
-    wa_ptrs = W + col_a[None, :].to(tl.int64) * stride_w + rk[:, None]
-    wb_ptrs = W + col_b[None, :].to(tl.int64) * stride_w + rk[:, None]
 
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = rk < K - k0  # partial last step: masked lanes read 0
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
-        wa = tl.load(wa_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
-        wb = tl.load(wb_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
-        xg, x_sumsq = rms_scaled(x, g)
-        sumsq += x_sumsq
-        acc_a = dot(xg, wa, acc_a, IEEE)
-        acc_b = dot(xg, wb, acc_b, IEEE)
-        x_ptrs += BLOCK_K
-        wa_ptrs += BLOCK_K
-        wb_ptrs += BLOCK_K
+    if FINISH:
+        for s in range(SPLIT_K):
+            acc_a += tl.load(partial_ptrs(WS, 2 * s, rm, first + p, M, all_pairs), mask=mp_ok,
+                             other=0.0)
+            acc_b += tl.load(partial_ptrs(WS, 2 * s + 1, rm, first + p, M, all_pairs),
+                             mask=mp_ok, other=0.0)
+            if PASSES == 1:
+                sumsq += tl.load(WSQ + s * M + rm, mask=m_ok, other=0.0)
+    else:
+        k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
+        rk = tl.arange(0, BLOCK_K)
+        x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + (k_begin + rk)[None, :]
+        # Weight rows col_a and col_b, read transposed as [BLOCK_K, BLOCK_N] tiles.
+        wa_ptrs = W + col_a[None, :].to(tl.int64) * stride_w + (k_begin + rk)[:, None]
+        wb_ptrs = W + col_b[None, :].to(tl.int64) * stride_w + (k_begin + rk)[:, None]
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            k_ok = rk < k_end - k0  # partial last step: masked lanes read 0
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wa = tl.load(wa_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
+            wb = tl.load(wb_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
+            if PASSES == 1:
+                g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
+                x, x_sumsq = rms_scaled(x, g)
+                sumsq += x_sumsq
+            # With PASSES == 2 the tiles go from memory to the tensor cores untouched, which
+            # lets the compiler keep the asynchronous load/MMA pipeline that large M needs.
+            acc_a = dot(x, wa, acc_a, IEEE)
+            acc_b = dot(x, wb, acc_b, IEEE)
+            x_ptrs += BLOCK_K
+            wa_ptrs += BLOCK_K
+            wb_ptrs += BLOCK_K
 
-    rstd = tl.rsqrt(sumsq / K + eps)[:, None]
-    a = acc_a * rstd
-    b = acc_b * rstd
-    # RoPE: angle (start_pos + s) · theta^(-2i/head_dim), in float32.
-    pos = (start_pos + rm % S).to(tl.float32)
-    freq = tl.exp2(i.to(tl.float32) * neg_log2_theta_over_half)
-    angle = pos[:, None] * (freq * rope)[None, :]
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
-    ya = a * cos - b * sin
-    yb = a * sin + b * cos
-    # Outputs are contiguous [M, N]: row stride 2 · n_pairs.
-    o_row = Y + rm[:, None].to(tl.int64) * (2 * n_pairs)
-    mask = m_ok[:, None] & p_ok[None, :]
-    tl.store(o_row + col_a[None, :], ya.to(Y.dtype.element_ty), mask=mask)
-    tl.store(o_row + col_b[None, :], yb.to(Y.dtype.element_ty), mask=mask)
+    if SPLIT_K > 1 and not FINISH:
+        # Partial sums of this K-slice; x² sums once per row-block (by the first column-block).
+        split = tl.program_id(1)
+        tl.store(partial_ptrs(WS, 2 * split, rm, first + p, M, all_pairs), acc_a, mask=mp_ok)
+        tl.store(partial_ptrs(WS, 2 * split + 1, rm, first + p, M, all_pairs), acc_b,
+                 mask=mp_ok)
+        if PASSES == 1 and pid_n == 0:
+            tl.store(WSQ + split * M + rm, sumsq, mask=m_ok)
+    else:
+        if PASSES == 1:
+            rstd = tl.rsqrt(sumsq / K + eps)[:, None]
+            a = acc_a * rstd
+            b = acc_b * rstd
+        else:
+            a = acc_a
+            b = acc_b
+        # RoPE: angle (start_pos + s) · theta^(-2i/head_dim), in float32.
+        pos = (start_pos + rm % S).to(tl.float32)
+        freq = tl.exp2(i.to(tl.float32) * neg_log2_theta_over_half)
+        angle = pos[:, None] * (freq * rope)[None, :]
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+        ya = a * cos - b * sin
+        yb = a * sin + b * cos
+        # Outputs are contiguous [M, N]: row stride 2 · n_pairs.
+        o_row = Y + rm[:, None].to(tl.int64) * (2 * n_pairs)
+        tl.store(o_row + col_a[None, :], ya.to(Y.dtype.element_ty), mask=mp_ok)
+        tl.store(o_row + col_b[None, :], yb.to(Y.dtype.element_ty), mask=mp_ok)
 
 
 def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                wv: torch.Tensor, oq: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor, seq: int,
                head_dim: int, start_pos: int, theta: float, eps: float, interleaved: bool,
                config: Config) -> None:
-    """x [M, K]; weights [N, K] with unit column stride; outputs contiguous [M, N]."""
+    """x [M, K]; weights [N, K] with unit column stride; outputs contiguous [M, N].
+
+    PASSES = 2: RMSNorm runs first as its own kernel (fusetune.rmsnorm, tuned config from the
+    tables) and the matmul reads its output. SPLIT_K > 1: SPLIT_K programs per output tile
+    write float32 partial sums, and a second launch of the same kernel (FINISH) adds them up
+    and applies RoPE.
+    """
     m, k = x.shape
     if m == 0:
         return
+    if config["PASSES"] == 2:
+        x = rmsnorm(x, g, eps)
     half = head_dim // 2
     nq_pairs, nkv_pairs = wq.shape[0] // 2, wk.shape[0] // 2
+    split = config["SPLIT_K"]
+    ws = wsq = oq  # not read unless split > 1
+    if split > 1:
+        ws = torch.empty((2 * split, m, nq_pairs + 2 * nkv_pairs), dtype=torch.float32,
+                         device=x.device)
+        wsq = torch.empty((split, m), dtype=torch.float32, device=x.device)
     bn = config["BLOCK_N"]
     n_blocks = triton.cdiv(nq_pairs, bn) + 2 * triton.cdiv(nkv_pairs, bn)
-    grid = (triton.cdiv(m, config["BLOCK_M"]) * n_blocks,)
-    _qkv_kernel[grid](
-        x, g, wq, wk, wv, oq, ok, ov, m, k, seq, nq_pairs, nkv_pairs, half,
-        x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), start_pos,
-        -math.log2(theta) / half, eps,
-        BLOCK_M=config["BLOCK_M"], BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
-        GROUP_M=config["GROUP_M"], INTERLEAVED=interleaved, IEEE=x.dtype == torch.float32,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
+    tiles = triton.cdiv(m, config["BLOCK_M"]) * n_blocks
+
+    def launch(grid: tuple[int, int], finish: bool) -> None:
+        _qkv_kernel[grid](
+            x, g, wq, wk, wv, oq, ok, ov, ws, wsq, m, k, seq, nq_pairs, nkv_pairs, half,
+            x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), start_pos,
+            -math.log2(theta) / half, eps,
+            BLOCK_M=config["BLOCK_M"], BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
+            GROUP_M=config["GROUP_M"], INTERLEAVED=interleaved, PASSES=config["PASSES"],
+            SPLIT_K=split, FINISH=finish, IEEE=x.dtype == torch.float32,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+
+    launch((tiles, split), False)
+    if split > 1:
+        launch((tiles, 1), True)
 
 
 def qkv(
@@ -294,7 +354,7 @@ def _pairs(point: Point) -> int:
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
-    c = default_tiles(point, gpu, _resources)
+    c = default_tiles(point, gpu, _resources, _pairs(point), point.dim["dim"])
     c["BLOCK_N"] = max(16, c["BLOCK_N"] // 2)  # pairs: each is two output columns
     return c
 
@@ -328,8 +388,9 @@ SPEC = KernelSpec(
     name="qkv",
     description="RMSNorm -> Q, K, V projections -> RoPE on q and k, one launch",
     dim_names=("dim", "head_dim", "interleaved", "n_heads", "n_kv_heads"),
-    config_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"),
-    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"),
+    config_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K", "num_warps",
+                 "num_stages"),
+    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"),
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,
     reference=_reference,
@@ -340,5 +401,6 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
-    source_objects=(_qkv_kernel, grouped_tile, dot, rms_scaled, _launch_2d),
+    source_objects=(_qkv_kernel, grouped_tile, k_slice, partial_ptrs, dot, rms_scaled, _launch_2d,
+                    _rmsnorm_kernel),
 )

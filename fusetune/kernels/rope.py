@@ -74,16 +74,16 @@ def _rope_kernel(
     mask = (t < T)[:, None, None] & (h < H)[None, :, None] & (i < HALF)[None, None, :]
 
     if INTERLEAVED:
-        # Pair i is elements (2i, 2i+1): load [.., BLOCK_HALF, 2] so each thread reads
-        # contiguous pairs (wide loads), then split the last axis into the two halves.
-        j = tl.arange(0, 2)
-        offs = 2 * i[:, None] + j[None, :]  # [BLOCK_HALF, 2]
-        m4 = mask[:, :, :, None] & (j < 2)[None, None, None, :]
-        x = tl.load(X + x_row[:, :, :, None] + offs[None, None, :, :], mask=m4, other=0.0)
-        x0, x1 = tl.split(x.to(tl.float32))
+        # Pair i is elements (2i, 2i+1): load whole rows [.., 2*BLOCK_HALF] (contiguous, so
+        # each thread reads 16-byte vectors), view them as [.., BLOCK_HALF, 2] and split the
+        # last axis into the pairs' two halves; the rotated halves are joined back the same way.
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        m2 = (t < T)[:, None, None] & (h < H)[None, :, None] & (d < 2 * HALF)[None, None, :]
+        x = tl.load(X + x_row + d[None, None, :], mask=m2, other=0.0).to(tl.float32)
+        x0, x1 = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
         y = tl.join(x0 * cos - x1 * sin, x0 * sin + x1 * cos)
-        tl.store(Y + y_row[:, :, :, None] + offs[None, None, :, :], y.to(Y.dtype.element_ty),
-                 mask=m4)
+        y = tl.reshape(y, [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
+        tl.store(Y + y_row + d[None, None, :], y.to(Y.dtype.element_ty), mask=m2)
     else:
         # Pair i is elements (i, i + HALF): two contiguous half-rows.
         x0 = tl.load(X + x_row + i[None, None, :], mask=mask, other=0.0).to(tl.float32)

@@ -58,17 +58,25 @@ def test_matches_reference(m: int, d: int, h: int, dtype: torch.dtype) -> None:
     check(*make(m, d, h, dtype))
 
 
-def test_awkward_width_d3000() -> None:
+@pytest.mark.parametrize(("passes", "split"), [(1, 1), (2, 1), (1, 4), (2, 16)])
+def test_awkward_width_d3000(passes: int, split: int) -> None:
     x, g, w1, w3 = make(2, 3000, 24, torch.float16)
     check(x, g, w1, w3, config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1,
-                                "num_warps": 4, "num_stages": 2})
+                                "PASSES": passes, "SPLIT_K": split, "num_warps": 4,
+                                "num_stages": 2})
 
 
 @pytest.mark.parametrize("config", [
-    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 2, "num_stages": 2},
-    {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
-     "num_stages": 2},
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
+     "num_warps": 2, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 1,
+     "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "PASSES": 1, "SPLIT_K": 1,
+     "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "PASSES": 1, "SPLIT_K": 2,
+     "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "PASSES": 2, "SPLIT_K": 4,
+     "num_warps": 4, "num_stages": 3},
 ])
 def test_configs_and_grouping(config: dict[str, int]) -> None:
     # 70 rows x 80 hidden: several row- and column-blocks, partial tiles on both edges.
@@ -125,10 +133,11 @@ def test_default_config_fits_every_gpu(gpu: str, rows: int) -> None:
 def test_canonical_and_resources() -> None:
     p = point(1)
     c = SPEC.canonical({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8,
-                        "num_warps": 4, "num_stages": 3}, p)
+                        "PASSES": 1, "SPLIT_K": 128, "num_warps": 4, "num_stages": 3}, p)
+    assert c["SPLIT_K"] == 64  # 4096 / 64 steps of K: no empty slices
     assert c["BLOCK_M"] == 16 and c["GROUP_M"] == 1
-    big = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8,
-           "num_stages": 4}
+    big = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "PASSES": 1, "SPLIT_K": 1,
+           "num_warps": 8, "num_stages": 4}
     res = SPEC.resources(big, point(4096))
     assert res.smem_bytes == 3 * (128 * 128 + 2 * 128 * 256) * 2 + 128 * 256 * 2 + 1024
     assert check_fits(res, gpus.resolve("h100")) is not None  # 655 KB of stages: too much
@@ -137,21 +146,23 @@ def test_canonical_and_resources() -> None:
 
 
 # Shared memory Triton 3.9 allocated when compiling the kernel for sm_90 (fp16/bf16, fp32):
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) -> bytes. The model must not predict less,
-# or configs that cannot run would be compiled.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, PASSES) -> bytes. The model must not
+# predict less, or configs that cannot run would be compiled.
 COMPILED_SMEM = {
-    "float16": {(16, 64, 128, 4, 4): 110848, (128, 128, 64, 8, 3): 131328,
-                (64, 256, 32, 8, 2): 69696},
-    "float32": {(16, 64, 128, 4, 4): 230912, (128, 128, 64, 8, 3): 229888,
-                (64, 256, 32, 8, 2): 82048},
+    "float16": {(16, 64, 128, 4, 4, 1): 110848, (128, 128, 64, 8, 3, 1): 131328,
+                (64, 256, 32, 8, 2, 1): 69696, (16, 64, 128, 4, 4, 2): 110592,
+                (128, 128, 64, 8, 3, 2): 147456, (64, 256, 32, 8, 2, 2): 73728},
+    "float32": {(16, 64, 128, 4, 4, 1): 230912, (128, 128, 64, 8, 3, 1): 229888,
+                (64, 256, 32, 8, 2, 1): 82048, (16, 64, 128, 4, 4, 2): 221184,
+                (128, 128, 64, 8, 3, 2): 196608, (64, 256, 32, 8, 2, 2): 73728},
 }
 
 
 @pytest.mark.parametrize("dtype", sorted(COMPILED_SMEM))
 def test_smem_model_covers_the_compiler(dtype: str) -> None:
-    for (bm, bn, bk, w, st), actual in COMPILED_SMEM[dtype].items():
-        c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w,
-             "num_stages": st}
+    for (bm, bn, bk, w, st, passes), actual in COMPILED_SMEM[dtype].items():
+        c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PASSES": passes,
+             "SPLIT_K": 1, "num_warps": w, "num_stages": st}
         predicted = SPEC.resources(c, point(4096, dtype=dtype)).smem_bytes
         # Close for 2-byte types (so that the pruning does not throw good configs away);
         # float32 is rare and modelled loosely.

@@ -57,15 +57,22 @@ def test_matches_reference(m: int, d: int, n: int, dtype: torch.dtype) -> None:
     check(*make(m, d, n, dtype))
 
 
-def test_awkward_width_d3000() -> None:
+@pytest.mark.parametrize(("passes", "split"), [(1, 1), (2, 1), (1, 4), (2, 16)])
+def test_awkward_width_d3000(passes: int, split: int) -> None:
     check(*make(2, 3000, 24, torch.float16),
-          config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4,
-                  "num_stages": 2})
+          config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "PASSES": passes,
+                  "SPLIT_K": split, "num_warps": 4, "num_stages": 2})
 
 
 @pytest.mark.parametrize("config", [
-    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 2, "num_stages": 2},
-    {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
+     "num_warps": 2, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 1,
+     "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "PASSES": 1, "SPLIT_K": 2,
+     "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "PASSES": 2, "SPLIT_K": 4,
+     "num_warps": 4, "num_stages": 3},
 ])
 def test_configs_and_grouping(config: dict[str, int]) -> None:
     check(*make(70, 96, 80, torch.float16), config=config)
@@ -89,7 +96,8 @@ def test_bad_inputs() -> None:
         fusetune.lola(x, w.float(), b)
     with pytest.raises(ConfigError, match="BLOCK_K=48 must be a power of two"):
         fusetune.lola(x, w, b, config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 48,
-                                       "GROUP_M": 1, "num_warps": 2, "num_stages": 2})
+                                       "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1, "num_warps": 2,
+                                       "num_stages": 2})
 
 
 def test_spec() -> None:
@@ -104,15 +112,16 @@ def test_spec() -> None:
 
 
 # Shared memory Triton 3.9 allocated for this kernel on sm_90:
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) -> bytes (fp16 and bf16 alike).
-COMPILED_SMEM = {(16, 64, 128, 4, 4): 61440, (128, 128, 64, 8, 3): 65536,
-                 (64, 256, 32, 8, 2): 20480}
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, PASSES) -> bytes (fp16 and bf16 alike).
+COMPILED_SMEM = {(16, 64, 128, 4, 4, 1): 61440, (128, 128, 64, 8, 3, 1): 65536,
+                 (64, 256, 32, 8, 2, 1): 20480, (16, 64, 128, 4, 4, 2): 61440,
+                 (128, 128, 64, 8, 3, 2): 98304, (64, 256, 32, 8, 2, 2): 40960}
 
 
 def test_smem_model_covers_the_compiler() -> None:
-    for (bm, bn, bk, w, st), actual in COMPILED_SMEM.items():
-        c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w,
-             "num_stages": st}
+    for (bm, bn, bk, w, st, passes), actual in COMPILED_SMEM.items():
+        c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PASSES": passes,
+             "SPLIT_K": 1, "num_warps": w, "num_stages": st}
         p = Point.make("lola", {"dim": 4096, "out": 16384}, 1, 4096, "float16")
         predicted = SPEC.resources(c, p).smem_bytes
         assert actual <= predicted <= 1.1 * actual, (c, predicted, actual)

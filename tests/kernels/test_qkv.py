@@ -95,8 +95,14 @@ def test_llama_head_layouts(nh: int, nkv: int, hd: int, interleaved: bool) -> No
 
 
 @pytest.mark.parametrize("config", [
-    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "num_warps": 2, "num_stages": 2},
-    {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 4, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
+     "num_warps": 2, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 1,
+     "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 4, "PASSES": 1, "SPLIT_K": 4,
+     "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 2, "SPLIT_K": 2,
+     "num_warps": 4, "num_stages": 3},
 ])
 def test_configs(config: dict[str, int]) -> None:
     # Blocks straddle heads and the Q/K/V boundaries, rows span several row-blocks.
@@ -120,6 +126,7 @@ def test_bad_inputs() -> None:
     with pytest.raises(ConfigError, match="num_stages"):
         fusetune.qkv(x, g, wq, wk, wv, head_dim=8,
                      config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1,
+                             "PASSES": 1, "SPLIT_K": 1,
                              "num_warps": 2})
 
 
@@ -137,10 +144,13 @@ def test_spec() -> None:
             assert check_fits(SPEC.resources(c, p), gpus.resolve(gpu)) is None
     assert SPEC.cost(llama_point(1)).bytes >= 3 * 4096 * 4096 * 2  # the three weights
     # Shared memory Triton 3.9 allocated on sm_90 for these configs must not exceed the model.
-    for (bm, bn, bk, w, st), actual in {(16, 32, 128, 4, 4): 61696,
-                                        (128, 64, 64, 8, 3): 82176}.items():
-        c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w,
-             "num_stages": st}
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, PASSES) -> bytes.
+    for (bm, bn, bk, w, st, passes), actual in {(16, 32, 128, 4, 4, 1): 61696,
+                                                (128, 64, 64, 8, 3, 1): 82176,
+                                                (16, 32, 128, 4, 4, 2): 61440,
+                                                (128, 64, 64, 8, 3, 2): 98304}.items():
+        c = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PASSES": passes,
+             "SPLIT_K": 1, "num_warps": w, "num_stages": st}
         assert actual <= SPEC.resources(c, llama_point(4096)).smem_bytes <= 1.2 * actual
 
 
