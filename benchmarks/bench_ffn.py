@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [make_case(int(m), args.dim, args.hidden, dt, gpu, compiled)
              for dt in args.dtype.split(",") for m in args.rows.split(",")]
     medians, host = run(args, cases)
-    head = heading(gpu, f"dim {args.dim} -> hidden {args.hidden}")
+    head = heading(gpu, f"dim {args.dim} -> hidden {args.hidden}", graphs=not args.no_graph)
     gemm_report(head, cases, medians, IMPLS, SPEC.config_keys, host, args.markdown, args.json)
     return 0
 

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [make_case(m, d, n, dt, gpu, compiled) for dt in args.dtype.split(",")
              for m, d, n in shapes]
     medians, host = run(args, cases)
-    head = heading(gpu, "LayerNorm -> Linear -> GELU")
+    head = heading(gpu, "LayerNorm -> Linear -> GELU", graphs=not args.no_graph)
     gemm_report(head, cases, medians, IMPLS, SPEC.config_keys, host, args.markdown, args.json)
     return 0
 

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     liger = _liger()
     compiled = torch.compile(eager_rmsnorm)
     d = args.dim
-    head = heading(gpu, f"D={d}; (TB/s) beside each time")
+    head = heading(gpu, f"D={d}; (TB/s) beside each time", graphs=not args.no_graph)
     cols = ["dtype", "M", "MB moved", "floor µs", "tuned", "default", "eager", "compile",
             "liger", "copy", "tuned/copy BW", "tuned BLOCK_D/ROWS/warps/stages"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

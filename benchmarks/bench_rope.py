@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
              for dt in args.dtype.split(",") for layout in args.layouts.split(",")
              for shape in shapes]
     medians, host = run(args, cases)
-    head = heading(gpu, "RoPE; (TB/s) beside each time")
+    head = heading(gpu, "RoPE; (TB/s) beside each time", graphs=not args.no_graph)
     cols = ["layout", "dtype", "B×S×H×D", "MB moved", "floor µs", "tuned", "default", "eager",
             "compile", "liger (q+k)", "copy", "tuned/copy BW", "tuned BLOCK_T/BLOCK_H/warps"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -6,11 +6,11 @@ out=${OUT:-bench_out}
 mkdir -p "$out"
 db=${DB:-sqlite:///$out/lola.db}
 gpu=${GPU:-h100}
-python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_lola.py 2>&1 \
+[ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_lola.py 2>&1 \
   | tee "$out/pytest_gpu_lola.log" || true
 for dims in dim=768,out=3072 dim=4096,out=16384; do
   python3 -m fusetune.cli search --kernel lola --gpu "$gpu" --dims "$dims" --batch 1,4096 \
-    --seq 1 --dtype float16 --trials "${TRIALS:-40}" --db "$db" 2>&1 | tee -a "$out/lola_search.log"
+    --seq 1 --dtype float16 --trials "${TRIALS:-40}" ${POINT_S:+--time-budget "$POINT_S"} --db "$db" 2>&1 | tee -a "$out/lola_search.log"
 done
 python3 -m fusetune.cli export "$out/lola_tables.yaml" --gpu "$gpu" --kernel lola --db "$db"
 python3 -m benchmarks.bench_lola --tables "$out/lola_tables.yaml" \

@@ -52,12 +52,14 @@ def start(args: argparse.Namespace) -> Any:
     return gpu_for_device(torch.device("cuda"))
 
 
-def heading(gpu: Any, what: str) -> str:
+def heading(gpu: Any, what: str, graphs: bool = True) -> str:
     import triton
 
+    how = ("CUDA-graph replays (a copy: plain calls)" if graphs else
+           "plain calls (--no-graph: Python-side launch cost can add to small sizes)")
     return (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
             f"Triton {triton.__version__}, {what}; GPU µs: medians of do_bench (L2 flushed) over "
-            "CUDA-graph replays (a copy: plain calls), median of interleaved rounds")
+            f"{how}, median of interleaved rounds")
 
 
 def run(args: argparse.Namespace, cases: Sequence[dict[str, Any]]
