@@ -7,7 +7,9 @@ when a kernel is decorated), so it is set here, at conftest import time.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +40,47 @@ def fresh_tables(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     fusetune.tables.reset()
 
 
+POSTGRES_ENV = "FUSETUNE_TEST_POSTGRES"
+
+
 @pytest.fixture
-def db_url(tmp_path) -> str:
+def sqlite_url(tmp_path: Path) -> str:
+    """A fresh SQLite database, for tests about something else than the storage."""
     return f"sqlite:///{tmp_path}/ft.db"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database of each backend, as a URL in the form users give it.
+
+    sqlite: a file in the test's directory. postgres: a database made for this test on the
+    server of $FUSETUNE_TEST_POSTGRES (a URL whose role may create databases, e.g.
+    postgresql://postgres@127.0.0.1:5432/postgres; `.ci/run` starts such a server) and dropped
+    after it; skipped when that variable is not set."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/ft.db"
+        return
+    base = os.environ.get(POSTGRES_ENV)
+    if not base:
+        pytest.skip(f"PostgreSQL tests need {POSTGRES_ENV}=postgresql://USER@HOST:PORT/DB "
+                    "(a role that may create databases); it is not set")
+    yield from _postgres_database(base)
+
+
+def _postgres_database(base: str) -> Iterator[str]:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.pool import NullPool
+
+    from fusetune.db.store import normalize_url
+
+    name = f"ft_test_{uuid.uuid4().hex[:16]}"
+    admin = create_engine(normalize_url(base), isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:  # FORCE: the test's own engines may still hold sessions
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

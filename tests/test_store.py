@@ -1,15 +1,27 @@
-"""The SQLite store: points, results, winners; export to the YAML table format and back."""
+"""The store on SQLite and PostgreSQL: points, results, winners, claims, concurrent writers;
+export to the YAML table format and back."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from sqlalchemy import Column, DateTime, ForeignKey, Integer, MetaData, String, Table
+from sqlalchemy import UniqueConstraint as Unique
 
 from fusetune import export, tables
-from fusetune.db.store import PointKey, Store
+from fusetune.db.models import Base, RunningRow, utcnow
+from fusetune.db.store import PointKey, Store, StoreError, make_engine, normalize_url
+from fusetune.tuner import liveness
+from fusetune.tuner.search import open_storage
 from fusetune.tuner.space import config_key
 
 pytestmark = pytest.mark.usefixtures("fresh_tables")
@@ -79,6 +91,14 @@ def test_record_same_config_twice_keeps_first(db_url: str) -> None:
     # the same config at another point is another result
     pid2 = store.point_id(key(batch=2))
     assert store.record(pid2, config_key(CFG_A), CFG_A, "ok", time_us=7.0).id != first.id
+
+
+def test_reason_with_a_nul_byte_is_stored(db_url: str) -> None:
+    # what a dying process prints may hold NUL, which PostgreSQL's text refuses
+    store = Store(db_url)
+    pid = store.point_id(key())
+    store.record(pid, config_key(CFG_A), CFG_A, "crashed", "worker died:\x00 SIGSEGV")
+    assert Store(db_url).results(pid)[config_key(CFG_A)].reason == "worker died: SIGSEGV"
 
 
 def test_set_winner_upserts(db_url: str) -> None:
@@ -175,3 +195,144 @@ def test_write_tables_refuses_invalid_document(tmp_path: Path) -> None:
     with pytest.raises(tables.TableError, match="BLOCK_D=96 must be a power of two"):
         export.write_tables(document, out)
     assert not out.exists()
+
+
+# ---- URLs ------------------------------------------------------------------------------------
+
+
+def test_postgres_urls_use_psycopg() -> None:
+    assert normalize_url("postgresql://u:pw@db.lan:5433/tune") == (
+        "postgresql+psycopg://u:pw@db.lan:5433/tune")
+    assert normalize_url("postgres://u@db.lan/tune") == "postgresql+psycopg://u@db.lan/tune"
+    # an explicit driver, and other databases, are left as given
+    assert normalize_url("postgresql+psycopg2://u@h/d") == "postgresql+psycopg2://u@h/d"
+    assert normalize_url("sqlite:///x/ft.db") == "sqlite:///x/ft.db"
+    assert make_engine("postgresql://u@h/d").dialect.driver == "psycopg"
+
+
+def test_bad_urls_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(StoreError, match=r"'ft\.db' is not a database URL"):
+        Store("ft.db")
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # as if the driver were not installed
+    with pytest.raises(StoreError, match=r"postgresql\+psycopg://u:\*\*\*@h/d: PostgreSQL "
+                       r"needs the psycopg driver; install it with pip install "
+                       r"'fusetune\[postgres\]'"):
+        Store("postgresql://u:secret@h/d")
+
+
+# ---- several writers at once -----------------------------------------------------------------
+
+
+def _all_at_once(n: int, work: Callable[[int], Any]) -> list[Any]:
+    """Runs work(0..n-1) in n threads released together; returns results, raises the first
+    error."""
+    barrier = threading.Barrier(n)
+    out: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait()
+            out[i] = work(i)
+        except BaseException as e:  # re-raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_first_use_of_a_database_by_many_at_once(db_url: str) -> None:
+    # Every search creates the tables (its own and Optuna's) if they are missing: eight at
+    # once on an empty database must all get through.
+    def first_use(_i: int) -> int:
+        store = Store(db_url)
+        open_storage(db_url)
+        return store.point_id(key())
+
+    ids = _all_at_once(8, first_use)
+    assert len(set(ids)) == 1 and ids[0] is not None
+
+
+def test_concurrent_writers_of_one_row(db_url: str) -> None:
+    stores = [Store(db_url) for _ in range(8)]
+    # the same new point: one row, every writer gets its id
+    pids = _all_at_once(8, lambda i: stores[i].point_id(key(batch=7)))
+    assert len(set(pids)) == 1
+    pid = pids[0]
+    # the same config: the first stored result is kept and returned to all
+    rows = _all_at_once(8, lambda i: stores[i].record(pid, config_key(CFG_A), CFG_A, "ok",
+                                                      time_us=float(i + 1)))
+    assert len({r.id for r in rows}) == 1
+    assert len({r.time_us for r in rows}) == 1
+    assert len(stores[0].results(pid)) == 1
+    # the winner of a new point: one row, holding one of the writers' values
+    _all_at_once(8, lambda i: stores[i].set_winner(pid, CFG_B, float(i + 1), CFG_A, 9.0, 10,
+                                                   10, i))
+    ((p, w),) = stores[0].winners()
+    assert p.id == pid and w.config == CFG_B and w.n_evaluated == w.time_us - 1
+
+
+def test_a_config_is_claimed_once(db_url: str) -> None:
+    store, other = Store(db_url), Store(db_url)
+    pid = store.point_id(key())
+    k = config_key(CFG_A)
+    first = store.claim_running(pid, 0, "host-a", 111, k)
+    assert first is not None
+    assert other.claim_running(pid, 1, "host-b", 222, k) is None  # same config, other trial
+    assert other.claim_running(pid, 0, "host-b", 222, config_key(CFG_B)) is None  # same trial
+    holder = other.claim_of(pid, 1, k)
+    assert holder is not None and (holder.id, holder.host, holder.pid) == (first, "host-a", 111)
+    assert other.claim_of(pid, 5, config_key(CFG_C)) is None
+    second = other.claim_running(pid, 1, "host-b", 222, config_key(CFG_B))
+    assert second is not None
+    assert {r.config_key for r in store.running(pid).values()} == {k, config_key(CFG_B)}
+    store.release(first)
+    assert other.claim_running(pid, 2, "host-b", 222, k) is not None  # free again
+
+
+def test_heartbeat_respects_a_live_claim_and_takes_over_a_dead_one(db_url: str) -> None:
+    store = Store(db_url)
+    pid = store.point_id(key())
+    k = config_key(CFG_A)
+    live = store.claim_running(pid, 0, "other-host", 4242, k)
+    with (pytest.raises(liveness.ClaimedElsewhere, match="pid 4242 on other-host") as info,
+          liveness.Heartbeat(store, pid, 1, config_key=k)):
+        pytest.fail("entered a claim that another live search holds")
+    assert info.value.claim.id == live
+    # the same claim, its heartbeat now older than the grace period: its process is gone
+    with store.session() as s:
+        row = s.get(RunningRow, live)
+        assert row is not None
+        row.heartbeat_at = utcnow() - timedelta(seconds=liveness.GRACE_S + 5)
+        s.commit()
+    with liveness.Heartbeat(store, pid, 1, config_key=k):
+        (mine,) = store.running(pid).values()
+        assert (mine.trial_number, mine.host, mine.pid) == (1, liveness.HOST, os.getpid())
+    assert store.running(pid) == {}
+
+
+def test_tables_of_an_earlier_version_are_upgraded(db_url: str) -> None:
+    # ft_running as it was made before it had a config column
+    engine = make_engine(db_url)
+    Base.metadata.create_all(engine, tables=[Base.metadata.tables["ft_points"]])
+    old = MetaData()
+    Table("ft_points", old, Column("id", Integer, primary_key=True))
+    Table("ft_running", old, Column("id", Integer, primary_key=True),
+          Column("point_id", ForeignKey("ft_points.id", ondelete="CASCADE"), index=True),
+          Column("trial_number", Integer), Column("host", String(255)), Column("pid", Integer),
+          Column("heartbeat_at", DateTime(timezone=True)),
+          Unique("point_id", "trial_number", name="uq_ft_running"))
+    old.create_all(engine, tables=[old.tables["ft_running"]])
+    engine.dispose()
+
+    store = Store(db_url)
+    pid = store.point_id(key())
+    assert store.claim_running(pid, 0, "h", 1, config_key(CFG_A)) is not None
+    assert store.claim_running(pid, 1, "h", 1, config_key(CFG_A)) is None  # the unique index
+    assert Store(db_url).running(pid)[0].config_key == config_key(CFG_A)  # upgrading twice: ok

@@ -10,6 +10,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     String,
     Text,
@@ -99,18 +100,26 @@ class WinnerRow(Base):
 
 
 class RunningRow(Base):
-    """A trial being evaluated right now, with its process and a heartbeat.
+    """A trial being evaluated right now, with its config, its process and a heartbeat.
 
     Lets a search that starts on a point tell a trial left RUNNING by a dead process (stale
-    heartbeat, or a dead pid on this host) from one that another live search is running."""
+    heartbeat, or a dead pid on this host) from one that another live search is running. The
+    unique (point, config) index is what stops two searches, on one host or several, from
+    evaluating one config at the same time: the second insert fails, whatever the timing."""
 
     __tablename__ = "ft_running"
-    __table_args__ = (UniqueConstraint("point_id", "trial_number", name="uq_ft_running"),)
+    __table_args__ = (
+        UniqueConstraint("point_id", "trial_number", name="uq_ft_running"),
+        # An index, not a constraint: databases made before this column get it with
+        # CREATE UNIQUE INDEX (SQLite cannot add a constraint to an existing table).
+        Index("uq_ft_running_config", "point_id", "config_key", unique=True),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     point_id: Mapped[int] = mapped_column(ForeignKey("ft_points.id", ondelete="CASCADE"),
                                           index=True)
     trial_number: Mapped[int] = mapped_column(Integer)
+    config_key: Mapped[str | None] = mapped_column(String(512), nullable=True)
     host: Mapped[str] = mapped_column(String(255))
     pid: Mapped[int] = mapped_column(Integer)
     heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -6,18 +6,27 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import create_engine, event, select
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import Connection, create_engine, event, inspect, select, text
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from fusetune.db.models import Base, PointRow, ResultRow, RunningRow, WinnerRow, utcnow
 
 DEFAULT_DB = "sqlite:///fusetune.db"
+POSTGRES_DRIVER = "postgresql+psycopg"  # psycopg 3: pip install 'fusetune[postgres]'
+# Any fixed 64-bit number: the PostgreSQL advisory lock that table creation holds.
+SCHEMA_LOCK_KEY = 0x66757365_74756E65  # "fusetune"
+
+
+class StoreError(RuntimeError):
+    """A database URL that cannot be used (unknown form, missing driver); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -49,10 +58,45 @@ class PointKey:
                 f"triton={self.triton_version}/torch={self.torch_version}")
 
 
-def make_engine(url: str) -> Engine:
+def safe_url(url: str) -> str:
+    """`url` with its password masked, for messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
+def normalize_url(url: str) -> str:
+    """The SQLAlchemy URL to connect with: `postgresql://` (and `postgres://`) use psycopg 3.
+
+    The one place where a URL without a driver gets one; every engine (fusetune's tables and
+    Optuna's storage) is made from its result."""
+    for scheme in ("postgresql://", "postgres://"):
+        if url.startswith(scheme):
+            url = f"{POSTGRES_DRIVER}://{url[len(scheme):]}"
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise StoreError(f"{url!r} is not a database URL; expected e.g. sqlite:///fusetune.db "
+                         "or postgresql://user@host/dbname") from None
+    if parsed.drivername == POSTGRES_DRIVER:
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise StoreError(f"{safe_url(url)}: PostgreSQL needs the psycopg driver; install it "
+                             "with pip install 'fusetune[postgres]'") from None
+    return url
+
+
+def is_postgres(url: str) -> bool:
+    return normalize_url(url).startswith("postgresql")
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
     """An engine for `url`; SQLite gets WAL and a busy timeout so several writers can wait."""
+    url = normalize_url(url)
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"timeout": 60})
+        engine = create_engine(url, connect_args={"timeout": 60}, **kwargs)
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -63,7 +107,42 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    return create_engine(url, pool_pre_ping=True, **kwargs)
+
+
+@contextmanager
+def schema_lock(url: str) -> Iterator[None]:
+    """Held while tables are created in the database at `url`, one process at a time.
+
+    On PostgreSQL, two processes creating the same table at once make one of them fail
+    (duplicate key in pg_type): an advisory lock on its own connection serializes them, for
+    fusetune's tables and Optuna's alike. SQLite needs none (its writers queue; the rare race
+    between checking for a table and creating it is retried by the callers)."""
+    if not is_postgres(url):
+        yield
+        return
+    engine = make_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+            conn.commit()
+            try:
+                yield
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": SCHEMA_LOCK_KEY})
+                conn.commit()
+    finally:
+        engine.dispose()
+
+
+def _upgrade(conn: Connection) -> None:
+    """Brings tables made by an earlier fusetune up to the models (create_all adds only the
+    missing tables): ft_running's config column and its unique index."""
+    columns = {c["name"] for c in inspect(conn).get_columns("ft_running")}
+    if "config_key" not in columns:
+        conn.execute(text("ALTER TABLE ft_running ADD COLUMN config_key VARCHAR(512)"))
+    for index in RunningRow.__table__.indexes:
+        index.create(conn, checkfirst=True)
 
 
 class Store:
@@ -72,14 +151,19 @@ class Store:
     def __init__(self, url: str = DEFAULT_DB) -> None:
         self.url = url
         self.engine = make_engine(url)
-        for attempt in range(5):
-            try:
-                Base.metadata.create_all(self.engine)
-                break
-            except OperationalError:  # another process created a table between check and create
-                if attempt == 4:
-                    raise
-                time.sleep(0.2 * (attempt + 1))
+        with schema_lock(url):
+            for attempt in range(5):
+                try:
+                    with self.engine.begin() as conn:
+                        Base.metadata.create_all(conn)
+                        _upgrade(conn)
+                    break
+                except (OperationalError, ProgrammingError, IntegrityError):
+                    # SQLite: another process created a table (or added the column) between
+                    # this one's check and its create; the next try sees it.
+                    if attempt == 4:
+                        raise
+                    time.sleep(0.2 * (attempt + 1))
         self._session = sessionmaker(self.engine, expire_on_commit=False)
 
     def session(self) -> Session:
@@ -111,14 +195,24 @@ class Store:
             rows = s.scalars(select(ResultRow).where(ResultRow.point_id == point_id)).all()
             return {r.config_key: r for r in rows}
 
+    def result(self, point_id: int, config_key: str) -> ResultRow | None:
+        """The stored result of one config at a point, if there is one."""
+        with self.session() as s:
+            return s.scalar(select(ResultRow).filter_by(point_id=point_id,
+                                                        config_key=config_key))
+
     def record(self, point_id: int, config_key: str, config: Mapping[str, int], status: str,
                reason: str = "", *, time_us: float | None = None, p20_us: float | None = None,
                p80_us: float | None = None, rel_err: float | None = None,
                compile_s: float | None = None, trial_number: int | None = None) -> ResultRow:
-        """Stores one result; if that config already has one, keeps and returns the stored one."""
+        """Stores one result; if that config already has one, keeps and returns the stored one.
+
+        Two searches recording the same config at once: the unique (point, config) constraint
+        lets one insert through, the other reads that row back."""
         row = ResultRow(point_id=point_id, config_key=config_key, config=dict(config),
-                        status=status, reason=reason, time_us=time_us, p20_us=p20_us,
-                        p80_us=p80_us, rel_err=rel_err, compile_s=compile_s,
+                        # PostgreSQL's text cannot hold NUL (a crashed process's output may)
+                        status=status, reason=reason.replace("\x00", ""), time_us=time_us,
+                        p20_us=p20_us, p80_us=p80_us, rel_err=rel_err, compile_s=compile_s,
                         trial_number=trial_number)
         with self.session() as s:
             s.add(row)
@@ -135,15 +229,25 @@ class Store:
     def set_winner(self, point_id: int, config: Mapping[str, int], time_us: float,
                    default_config: Mapping[str, int], default_us: float | None, nbytes: int,
                    flops: int, n_evaluated: int) -> None:
-        with self.session() as s:
-            row = s.scalar(select(WinnerRow).where(WinnerRow.point_id == point_id))
-            if row is None:
-                row = WinnerRow(point_id=point_id)
-                s.add(row)
-            row.config, row.time_us = dict(config), time_us
-            row.default_config, row.default_us = dict(default_config), default_us
-            row.bytes, row.flops, row.n_evaluated = nbytes, flops, n_evaluated
-            s.commit()
+        """Stores (or replaces) the winner of a point. Two searches finishing one point at
+        once: the unique point_id lets one insert through, the other updates that row."""
+        for attempt in range(3):
+            with self.session() as s:
+                row = s.scalar(select(WinnerRow).where(WinnerRow.point_id == point_id))
+                if row is None:
+                    row = WinnerRow(point_id=point_id)
+                    s.add(row)
+                row.config, row.time_us = dict(config), time_us
+                row.default_config, row.default_us = dict(default_config), default_us
+                row.bytes, row.flops, row.n_evaluated = nbytes, flops, n_evaluated
+                row.updated_at = utcnow()
+                try:
+                    s.commit()
+                    return
+                except IntegrityError:  # inserted by another search meanwhile: update theirs
+                    s.rollback()
+                    if attempt == 2:
+                        raise
 
     def winners(self, gpu: str | None = None, kernel: str | None = None
                 ) -> list[tuple[PointRow, WinnerRow]]:
@@ -163,13 +267,31 @@ class Store:
 
     # -- trials being evaluated -----------------------------------------------------------------
 
-    def claim_running(self, point_id: int, trial_number: int, host: str, pid: int) -> int:
-        """Records that this process evaluates the trial now; returns the row id to beat."""
+    def claim_running(self, point_id: int, trial_number: int, host: str, pid: int,
+                      config_key: str | None = None) -> int | None:
+        """Records that this process evaluates the trial (and its config) now; returns the row
+        id to beat, or None when a row for that trial or config is there already (another
+        search's claim: see `claim_of`)."""
         with self.session() as s:
-            row = RunningRow(point_id=point_id, trial_number=trial_number, host=host, pid=pid)
+            row = RunningRow(point_id=point_id, trial_number=trial_number, host=host, pid=pid,
+                             config_key=config_key)
             s.add(row)
-            s.commit()
+            try:
+                s.commit()
+            except IntegrityError:
+                s.rollback()
+                return None
             return row.id
+
+    def claim_of(self, point_id: int, trial_number: int, config_key: str | None
+                 ) -> RunningRow | None:
+        """The claim on that trial, or on that config, of a point (None: there is none)."""
+        cond = RunningRow.trial_number == trial_number
+        if config_key is not None:
+            cond = cond | (RunningRow.config_key == config_key)
+        with self.session() as s:
+            return s.scalars(select(RunningRow).where(RunningRow.point_id == point_id, cond)
+                             .order_by(RunningRow.id)).first()
 
     def beat(self, running_id: int) -> None:
         with self.session() as s:

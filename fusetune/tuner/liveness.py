@@ -47,19 +47,49 @@ def is_stale(row: RunningRow | None, started: datetime | None, now: datetime | N
     return now - _aware(row.heartbeat_at) > grace
 
 
+class ClaimedElsewhere(Exception):
+    """The trial, or its config, is being evaluated by another live search right now."""
+
+    def __init__(self, claim: RunningRow) -> None:
+        super().__init__(f"trial {claim.trial_number} (config {claim.config_key}) is being "
+                         f"evaluated by pid {claim.pid} on {claim.host}")
+        self.claim = claim
+
+
 class Heartbeat:
-    """Claims a trial for this process and beats for it in a thread while the block runs."""
+    """Claims a trial (and its config) for this process and beats for it in a thread while the
+    block runs.
+
+    Entering raises `ClaimedElsewhere` when another live search holds that trial or config; a
+    claim left by a dead process is removed and taken over. The database's unique indexes
+    decide races: of two searches claiming one config at once, exactly one gets it."""
 
     def __init__(self, store: Store, point_id: int, trial_number: int,
-                 interval_s: float = HEARTBEAT_S) -> None:
+                 interval_s: float = HEARTBEAT_S, config_key: str | None = None) -> None:
         self.store, self.point_id, self.trial_number = store, point_id, trial_number
+        self.config_key = config_key
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._id: int | None = None
 
+    def _claim(self) -> int:
+        for _ in range(5):
+            got = self.store.claim_running(self.point_id, self.trial_number, HOST, os.getpid(),
+                                           self.config_key)
+            if got is not None:
+                return got
+            holder = self.store.claim_of(self.point_id, self.trial_number, self.config_key)
+            if holder is None:
+                continue  # released between the failed insert and this read: try again
+            if not is_stale(holder, None):
+                raise ClaimedElsewhere(holder)
+            self.store.release(holder.id)  # its process is gone
+        raise RuntimeError(f"could not claim trial {self.trial_number} (config "
+                           f"{self.config_key}): its claim changed hands 5 times")
+
     def __enter__(self) -> Heartbeat:
-        self._id = self.store.claim_running(self.point_id, self.trial_number, HOST, os.getpid())
+        self._id = self._claim()
         self._thread = threading.Thread(target=self._run, name="fusetune-heartbeat", daemon=True)
         self._thread.start()
         return self

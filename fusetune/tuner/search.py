@@ -143,18 +143,24 @@ def make_points(req: Request) -> list[Point]:
 
 
 def open_storage(url: str) -> optuna.storages.RDBStorage:
-    """Optuna's storage on the same database as fusetune's tables."""
+    """Optuna's storage on the same database as fusetune's tables (`url` as for `Store`)."""
     import optuna
     from sqlalchemy.exc import SQLAlchemyError
 
+    from fusetune.db.store import normalize_url, schema_lock
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    engine_url = normalize_url(url)
+    kwargs = ({"connect_args": {"timeout": 60}} if engine_url.startswith("sqlite")
+              else {"pool_pre_ping": True})
     for attempt in range(5):
         try:
-            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+            # PostgreSQL: one process at a time creates Optuna's tables (see schema_lock).
+            with schema_lock(url):
+                return optuna.storages.RDBStorage(engine_url, engine_kwargs=kwargs)
         except SQLAlchemyError:
-            # Two searches creating Optuna's tables at once: one of them loses the race
-            # (e.g. on alembic_version); the tables exist on the next try.
+            # SQLite: two searches creating Optuna's tables at once, one of them loses the
+            # race (e.g. on alembic_version); the tables exist on the next try.
             if attempt == 4:
                 raise
             time.sleep(0.2 * (attempt + 1))
