@@ -10,52 +10,21 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from fusetune.cli_options import DEFAULT_DB, PointArgs, point_options, str_list
 from fusetune.tuner.search import (
-    BACKEND_CHOICES,
     DEFAULT_GRID,
     INTERPRETER_GRID,
     Request,
     SearchError,
+    Target,
     choose_target,
     make_points,
     parse_dims,
 )
 
-DEFAULT_DB = "sqlite:///fusetune.db"
 # Wide enough for the tables when output goes to a file or a CI log.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
 err = Console(stderr=True, highlight=False)
-
-
-def _int_list(_ctx: Any, param: click.Parameter, value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        out = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected comma-separated integers, e.g. 1,16,64",
-                                 param=param) from None
-    if not out or any(v < 1 for v in out):
-        raise click.BadParameter(f"{value!r}: expected positive integers", param=param)
-    return out
-
-
-def _str_list(_ctx: Any, _param: click.Parameter, value: str | None) -> list[str] | None:
-    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
-
-
-def _dims(_ctx: Any, param: click.Parameter, value: str | None) -> dict[str, int] | None:
-    if value is None:
-        return None
-    out: dict[str, int] = {}
-    for part in value.split(","):
-        name, _, num = part.partition("=")
-        try:
-            out[name.strip()] = int(num)
-        except ValueError:
-            raise click.BadParameter(f"{part!r}: expected name=integer, e.g. dim=4096",
-                                     param=param) from None
-    return out
 
 
 def _fmt(v: float | None, spec: str = ".1f") -> str:
@@ -100,51 +69,54 @@ def gpus() -> None:
                       "interpreter (--backend interpreter) or plan only (--dry-run --gpu NAME).")
 
 
+def _resolve_points(args: PointArgs, target: Target, small: bool
+                    ) -> tuple[Any, Any, list[Any]]:
+    """(kernel spec, search space, points) of the shared options; `small`: the interpreter's
+    defaults for what was not given."""
+    from fusetune.kernels import get_spec
+    from fusetune.tuner.space import SpaceError, load_space
+
+    grid = INTERPRETER_GRID if small else DEFAULT_GRID
+    model = args.model
+    try:
+        spec = get_spec(args.kernel)
+        space = load_space(spec, args.space_path)
+        if model is None and args.dim is None and args.dims_opt is None:
+            model = grid["model"]
+        dims = parse_dims(spec.dim_names, model, args.dim, args.dims_opt, spec.dims_from_model)
+        req = Request(args.kernel, dims, args.batch or grid["batch"], args.seq or grid["seq"],
+                      args.dtype or grid["dtype"])
+        points = make_points(req)
+    except (SearchError, SpaceError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    if small and (args.batch is None or args.seq is None or model == grid["model"]):
+        err.print(f"[yellow]note:[/] interpreter defaults: dims {dims}, batch {req.batches}, "
+                  f"seq {req.seqs}, dtype {','.join(req.dtypes)}")
+    return spec, space, points
+
+
+def _target(backend: str, gpu_name: str | None, dry_run: bool) -> Target:
+    try:
+        target = choose_target(backend, gpu_name, dry_run)
+    except (SearchError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    for note in target.notes:
+        err.print(f"[yellow]warning:[/] {note}")
+    return target
+
+
 @main.command()
-@click.option("--kernel", "-k", required=True, help="Kernel to tune (rmsnorm, ...).")
-@click.option("--gpu", "gpu_name", default=None,
-              help="GPU the tables are for (3090, h100, a100-80gb; see `fusetune gpus`). Must be "
-                   "a visible device, except with --dry-run. Default: the first visible GPU.")
-@click.option("--model", default=None,
-              help="Model preset for the dims (llama-2-7b, llama-3-8b, gpt2, ...). "
-                   f"Default: {DEFAULT_GRID['model']}.")
-@click.option("--dim", type=click.IntRange(min=1), default=None,
-              help="Width of the normalized rows (instead of --model).")
-@click.option("--dims", "dims_opt", callback=_dims, default=None,
-              help="All dims as name=value,... (instead of --model).")
-@click.option("--batch", callback=_int_list, default=None,
-              help="Batch sizes, comma-separated. Default: "
-                   f"{','.join(map(str, DEFAULT_GRID['batch']))}.")
-@click.option("--seq", callback=_int_list, default=None,
-              help="Sequence lengths (1 = decode). Default: "
-                   f"{','.join(map(str, DEFAULT_GRID['seq']))}.")
-@click.option("--dtype", callback=_str_list, default=None,
-              help=f"Activation dtypes. Default: {','.join(DEFAULT_GRID['dtype'])}.")
+@point_options
 @click.option("--trials", type=click.IntRange(min=1), default=40, show_default=True,
-              help="Distinct configs evaluated per point (small spaces are enumerated).")
+              help="Distinct configs evaluated per point (small spaces are covered whole).")
 @click.option("--time-budget", type=click.FloatRange(min=0), default=None,
               help="Seconds of sampling per point (the finalists are still re-timed).")
-@click.option("--db", default=DEFAULT_DB, show_default=True,
-              help="Database URL for results and Optuna studies (sqlite:///..., postgresql://...).")
-@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto", show_default=True,
-              help="cuda, or Triton's CPU interpreter (meaningless timings; automatic when no GPU "
-                   "is visible, with a smaller default grid).")
-@click.option("--space", "space_path", type=click.Path(dir_okay=False), default=None,
-              help="A search-space YAML to use instead of the kernel's own.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampler seed.")
-@click.option("--isolate/--in-process", default=False, show_default=True,
-              help="Run configs in a worker subprocess: a config that crashes or hangs is "
-                   "recorded (crashed / timeout) and the worker restarted, the search goes on.")
-@click.option("--trial-timeout", type=click.FloatRange(min=1), default=300, show_default=True,
-              help="Seconds one config may take (compile, check and timing) with --isolate.")
 @click.option("--dry-run", is_flag=True,
               help="Print the plan (points, space size, configs pruned by the GPU's limits and "
                    "why) without running anything; needs no GPU.")
-def search(kernel: str, gpu_name: str | None, model: str | None, dim: int | None,
-           dims_opt: dict[str, int] | None, batch: list[int] | None, seq: list[int] | None,
-           dtype: list[str] | None, trials: int, time_budget: float | None, db: str,
-           backend: str, space_path: str | None, seed: int, isolate: bool,
-           trial_timeout: float, dry_run: bool) -> None:
+def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
+           dry_run: bool) -> None:
     """Tune KERNEL at every (batch, seq, dtype) point: one Optuna study per point.
 
     Every evaluated config is stored with its status (ok, infeasible, oor, compile_error,
@@ -152,38 +124,14 @@ def search(kernel: str, gpu_name: str | None, model: str | None, dim: int | None
     default heuristic. Interrupt at any time and run the same command again to resume: finished
     trials are kept and not redone.
     """
-    try:
-        target = choose_target(backend, gpu_name, dry_run)
-    except (SearchError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
-    for note in target.notes:
-        err.print(f"[yellow]warning:[/] {note}")
-
-    from fusetune.kernels import get_spec
-    from fusetune.tuner.space import SpaceError, load_space
-
-    small = target.backend == "interpreter" and not dry_run
-    grid = INTERPRETER_GRID if small else DEFAULT_GRID
-    try:
-        spec = get_spec(kernel)
-        space = load_space(spec, space_path)
-        if model is None and dim is None and dims_opt is None:
-            model = grid["model"]
-        dims = parse_dims(spec.dim_names, model, dim, dims_opt, spec.dims_from_model)
-        req = Request(kernel, dims, batch or grid["batch"], seq or grid["seq"],
-                      dtype or grid["dtype"])
-        points = make_points(req)
-    except (SearchError, SpaceError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
-    if small and (batch is None or seq is None or model == grid["model"]):
-        err.print(f"[yellow]note:[/] interpreter defaults: dims {dims}, batch {req.batches}, "
-                  f"seq {req.seqs}, dtype {','.join(req.dtypes)}")
-
+    target = _target(args.backend, args.gpu_name, dry_run)
+    spec, space, points = _resolve_points(args, target,
+                                          target.backend == "interpreter" and not dry_run)
     if dry_run:
         _print_plan(spec, space, points, target, trials)
         return
-    _run_search(spec, space, points, target, db, trials, time_budget, seed,
-                trial_timeout if isolate else None)
+    _run_search(spec, space, points, target, args.db, trials, time_budget, seed,
+                args.worker_timeout)
 
 
 def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trials: int) -> None:
@@ -215,36 +163,71 @@ def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trial
                   "compiling anything.")
 
 
+def _shown(db: str) -> str:
+    """The database URL as printed: without its password."""
+    from fusetune.db.store import safe_url
+
+    return safe_url(db)
+
+
+def _store(db: str) -> Any:
+    """fusetune's tables in `db`, or a one-line error naming the database."""
+    from fusetune.db.store import Store
+
+    try:
+        return Store(db)
+    except Exception as e:
+        raise click.ClickException(f"cannot open database {_shown(db)!r}: {e}") from None
+
+
+def _open_store(db: str) -> tuple[Any, Any]:
+    """fusetune's tables and Optuna's storage in the database `db`."""
+    from fusetune.db.store import Store
+    from fusetune.tuner.search import open_storage
+
+    try:
+        return Store(db), open_storage(db)
+    except Exception as e:
+        raise click.ClickException(f"cannot open database {_shown(db)!r}: {e}") from None
+
+
+def _open_context(spec: Any, space: Any, target: Target, db: str,
+                  trial_timeout: float | None) -> Any:
+    """What every point of a run shares; configs run in a worker process if `trial_timeout`."""
+    import torch
+    import triton
+
+    from fusetune.tuner.study import Context
+    from fusetune.tuner.worker import Worker
+
+    store, storage = _open_store(db)
+    worker = (Worker(spec.name, target.backend, target.device, trial_timeout)
+              if trial_timeout is not None else None)
+    return Context(spec, space, target.gpu, target.backend, target.device, store, storage,
+                   triton.__version__, torch.__version__, worker)
+
+
+def _progress() -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TextColumn("{task.fields[msg]}"), console=console,
+                    transient=False)
+
+
 def _run_search(spec: Any, space: Any, points: Sequence[Any], target: Any, db: str,
                 trials: int, time_budget: float | None, seed: int,
                 trial_timeout: float | None) -> None:
-    import torch
-    import triton
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from fusetune.db.store import Store
     from fusetune.tuner.bench import DeviceLostError
-    from fusetune.tuner.search import open_storage
-    from fusetune.tuner.study import Context, PointTuner, SearchOptions
+    from fusetune.tuner.study import PointTuner, SearchOptions
 
-    try:
-        store = Store(db)
-        storage = open_storage(db)
-    except Exception as e:
-        raise click.ClickException(f"cannot open database {db!r}: {e}") from None
-    from fusetune.tuner.worker import Worker
-
-    worker = (Worker(spec.name, target.backend, target.device, trial_timeout)
-              if trial_timeout is not None else None)
-    ctx = Context(spec, space, target.gpu, target.backend, target.device, store, storage,
-                  triton.__version__, torch.__version__, worker)
+    ctx = _open_context(spec, space, target, db, trial_timeout)
+    worker = ctx.worker
     options = SearchOptions(trials=trials, time_budget_s=time_budget, seed=seed)
     console.print(f"Tuning {spec.name} on {target.gpu.name} ({target.device}, {target.backend}) "
-                  f"into {db}: {len(points)} points, up to {trials} configs each.")
+                  f"into {_shown(db)}: {len(points)} points, up to {trials} configs each.")
     results = []
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TextColumn("{task.fields[msg]}"), console=console,
-                        transient=False)
+    progress = _progress()
     try:
         with progress:
             for p in points:
@@ -259,8 +242,8 @@ def _run_search(spec: Any, space: Any, points: Sequence[Any], target: Any, db: s
                                 msg=f"done: {_fmt(res.time_us)} µs")
                 results.append(res)
     except KeyboardInterrupt:
-        err.print(f"\n[yellow]interrupted[/]: every finished trial is stored in {db}; run the "
-                  "same command again to resume.")
+        err.print(f"\n[yellow]interrupted[/]: every finished trial is stored in {_shown(db)}; "
+                  "run the same command again to resume.")
         sys.exit(130)
     except DeviceLostError as e:
         err.print(f"\n[red]error:[/] the GPU context is lost ({e}). That config is recorded as "
@@ -292,6 +275,171 @@ def _print_summary(results: Sequence[Any], target: Any) -> None:
     console.print(t)
 
 
+@main.command("evaluate-search")
+@point_options
+@click.option("--grid/--no-grid", "run_grid", default=True, show_default=True,
+              help="First time every distinct feasible config of each point that the database "
+                   "does not hold yet (resumable). --no-grid replays what is stored: no GPU "
+                   "needed, e.g. on a copy of the GPU machine's database.")
+@click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Replays per strategy (sampler seeds 0..N-1).")
+@click.option("--strategies", callback=str_list, default=None,
+              help="Comma-separated: random, tpe, gp, fusetune (what `fusetune search` does), "
+                   "fusetune-cold (its sampler without the start configs). "
+                   "Default: random,tpe,gp,fusetune.")
+@click.option("--budget", type=click.IntRange(min=1), default=None,
+              help="Evaluations per replay. Default: the grid's size (every run can get there).")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the report as Markdown to this file.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the report, with every replay, as JSON to this file.")
+def evaluate_search(args: PointArgs, run_grid: bool, seeds: int, strategies: list[str] | None,
+                    budget: int | None, markdown_path: str | None, json_path: str | None
+                    ) -> None:
+    """How many evaluations search strategies need to come within 2% of the best config.
+
+    \b
+    1. The exhaustive grid (--grid): every distinct config of the space that the GPU can hold,
+       timed once through the search's evaluator and stored in --db like a search's results.
+       Configs the database already holds for the point are not timed again.
+    2. Replays, no GPU needed: each strategy samples configs one at a time from the stored
+       timings (pruned configs cost nothing, failed ones cost an evaluation), for each seed;
+       the table gives the evaluations until the best so far is within 2% (5%, 10%) of the
+       grid's optimum.
+    """
+    target = (_target(args.backend, args.gpu_name, dry_run=False) if run_grid
+              else _replay_target(args.backend, args.gpu_name))
+    chosen, skipped = _choose_strategies(strategies)
+    spec, space, points = _resolve_points(args, target,
+                                          target.backend == "interpreter" and run_grid)
+    store, storage = _open_store(args.db)
+    if run_grid:
+        rows = _run_grids(spec, space, points, target, args)
+    else:
+        backend = None if args.backend == "auto" else args.backend
+        rows = [_stored_point(store, target.gpu.name, p, backend) for p in points]
+
+    from fusetune.tuner.grid import GridError, load_grid
+    from fusetune.tuner.replay import replay_strategies
+    from fusetune.tuner.replay_report import PointReport, header_lines, rich_table, write_reports
+
+    reports = []
+    for row in rows:
+        grid = load_grid(store, storage, row, spec, space)
+        try:
+            grid.require_complete(spec.source_hash)
+            with _progress() as progress:
+                tasks = {s.name: progress.add_task(s.name, total=seeds, msg="") for s in chosen}
+
+                def update(name: str, done: int, tasks: dict[str, Any] = tasks) -> None:
+                    progress.update(tasks[name], completed=done)
+
+                summaries = replay_strategies(grid, space, spec, chosen, seeds, budget, update)
+            report = PointReport(grid, summaries, row.gpu, row.backend, skipped)
+            for line in header_lines(report):
+                console.print(line)
+            console.print(rich_table(report))
+        except GridError as e:
+            raise click.ClickException(str(e)) from None
+        reports.append(report)
+    for path in write_reports(reports, markdown_path, json_path):
+        console.print(f"wrote {path}")
+
+
+def _replay_target(backend: str, gpu_name: str | None) -> Target:
+    """The GPU whose stored points are replayed; no device needed."""
+    from fusetune import gpus as g
+
+    if backend == "interpreter":
+        return Target("interpreter", g.INTERPRETER, "none")
+    if gpu_name:
+        try:
+            return Target("cuda", g.resolve(gpu_name), "none")
+        except g.UnknownGpuError as e:
+            raise click.ClickException(str(e)) from None
+    visible = g.visible_gpus()
+    if visible:
+        return Target("cuda", visible[0].spec, "none")
+    err.print("[yellow]note:[/] no --gpu given and no GPU visible: replaying the interpreter's "
+              "points")
+    return Target("interpreter", g.INTERPRETER, "none")
+
+
+def _choose_strategies(names: list[str] | None) -> tuple[list[Any], dict[str, str]]:
+    """The strategies to replay, and those skipped because a module they need is missing."""
+    from fusetune.tuner.sampling import DEFAULT_STRATEGIES, get_strategy
+
+    chosen, skipped = [], {}
+    for name in dict.fromkeys(names or DEFAULT_STRATEGIES):
+        try:
+            strategy = get_strategy(name)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="'--strategies'") from None
+        missing = strategy.missing()
+        if missing:
+            skipped[name] = (f"needs {', '.join(missing)}, not installed "
+                             f"(pip install {' '.join(missing)})")
+            err.print(f"[yellow]note:[/] {name} skipped: {skipped[name]}")
+            continue
+        chosen.append(strategy)
+    if not chosen:
+        raise click.ClickException("no strategy left to replay: " + "; ".join(
+            f"{n} {why}" for n, why in skipped.items()))
+    return chosen, skipped
+
+
+def _stored_point(store: Any, gpu: str, point: Any, backend: str | None) -> Any:
+    from fusetune.tuner.grid import GridError, stored_point
+
+    try:
+        row, note = stored_point(store, gpu, point, backend)
+    except GridError as e:
+        raise click.ClickException(str(e)) from None
+    if note:
+        err.print(f"[yellow]note:[/] {note}")
+    return row
+
+
+def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
+               args: PointArgs) -> list[Any]:
+    """Runs (or resumes) each point's grid; returns the points' stored rows."""
+    from fusetune.tuner.bench import DeviceLostError
+    from fusetune.tuner.grid import run_grid
+    from fusetune.tuner.study import PointTuner, SearchOptions
+
+    ctx = _open_context(spec, space, target, args.db, args.worker_timeout)
+    console.print(f"Exhaustive grid of {spec.name} on {target.gpu.name} ({target.device}, "
+                  f"{target.backend}) into {args.db}: {len(points)} points.")
+    rows = []
+    try:
+        with _progress() as progress:
+            for p in points:
+                tuner = PointTuner(ctx, p, SearchOptions())
+                task = progress.add_task(p.label, total=len(tuner.plan.feasible),
+                                         msg=f"{len(tuner.plan.infeasible)} pruned")
+
+                def update(done: int, total: int, msg: str, task: Any = task) -> None:
+                    progress.update(task, completed=done, total=total, msg=msg)
+
+                run = run_grid(tuner, update)
+                res = run.result
+                progress.update(task, msg=f"{run.timed} timed in {run.wall_s:.0f} s; winner "
+                                          f"{_fmt(res.time_us if res else None, '.2f')} µs")
+                rows.append(ctx.store.point(tuner.point_id))
+    except KeyboardInterrupt:
+        err.print(f"\n[yellow]interrupted[/]: every timed config is stored in {args.db}; run "
+                  "the same command again to resume the grid.")
+        sys.exit(130)
+    except DeviceLostError as e:
+        err.print(f"\n[red]error:[/] the GPU context is lost ({e}). That config is recorded as "
+                  "crashed; run the same command again to continue (or use --isolate).")
+        sys.exit(1)
+    finally:
+        if ctx.worker is not None:
+            ctx.worker.close()
+    return rows
+
+
 @main.command()
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--gpu", "gpu_name", default=None, help="Only this GPU (name or alias).")
@@ -300,17 +448,16 @@ def _print_summary(results: Sequence[Any], target: Any) -> None:
 def export(path: str, gpu_name: str | None, kernel: str | None, db: str) -> None:
     """Write the winners in the database to the lookup table PATH (YAML)."""
     from fusetune import gpus as g
-    from fusetune.db.store import Store
     from fusetune.export import build_tables, write_tables
 
     try:
         gpu = g.resolve(gpu_name).name if gpu_name else None
     except g.UnknownGpuError as e:
         raise click.ClickException(str(e)) from None
-    doc = build_tables(Store(db), gpu=gpu, kernel=kernel)
+    doc = build_tables(_store(db), gpu=gpu, kernel=kernel)
     if not doc["gpus"]:
         raise click.ClickException(
-            f"no winners in {db}" + (f" for gpu={gpu}" if gpu else "")
+            f"no winners in {_shown(db)}" + (f" for gpu={gpu}" if gpu else "")
             + (f" kernel={kernel}" if kernel else "") + ": run `fusetune search` first")
     n = write_tables(doc, path)
     console.print(f"wrote {n} entries for {', '.join(doc['gpus'])} to {path}")
@@ -329,19 +476,18 @@ def show(db: str, gpu_name: str | None, kernel: str | None, point_id: int | None
          top: int) -> None:
     """Print what the database holds: points, results by status, winners."""
     from fusetune import gpus as g
-    from fusetune.db.store import Store
 
     if point_id is not None:
-        _show_point(Store(db), point_id, top)
+        _show_point(_store(db), point_id, top)
         return
 
     try:
         gpu = g.resolve(gpu_name).name if gpu_name else None
     except g.UnknownGpuError as e:
         raise click.ClickException(str(e)) from None
-    store = Store(db)
+    store = _store(db)
     winners = {p.id: w for p, w in store.winners(gpu=gpu, kernel=kernel)}
-    t = Table(title=f"Points in {db}")
+    t = Table(title=f"Points in {_shown(db)}")
     for col in ("id", "gpu", "kernel", "dims", "b", "s", "dtype", "backend", "triton",
                 "results", "winner", "µs", "default µs", "speedup"):
         t.add_column(col)
@@ -359,7 +505,8 @@ def show(db: str, gpu_name: str | None, kernel: str | None, point_id: int | None
                   _config_str(w.config if w else None), _fmt(w.time_us if w else None, ".2f"),
                   _fmt(w.default_us if w else None, ".2f"), _fmt(speed, ".2f"))
     if n == 0:
-        console.print(f"{db} holds no points" + (" matching the filters" if gpu or kernel else ""))
+        console.print(f"{_shown(db)} holds no points"
+                      + (" matching the filters" if gpu or kernel else ""))
         return
     console.print(t)
 

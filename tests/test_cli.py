@@ -1,7 +1,8 @@
 """The `fusetune` command: plans, errors, and the whole flow search -> show -> export -> lookup.
 
 Searches run in subprocesses on Triton's interpreter (the backend is chosen before the kernels
-are imported); the rest runs in-process through click's CliRunner.
+are imported); the rest runs in-process through click's CliRunner. The flows that store
+results run on SQLite and on PostgreSQL (see the `db_url` fixture).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -17,13 +17,15 @@ import warnings
 from pathlib import Path
 
 import pytest
+import sqlalchemy
 import torch
 from click.testing import CliRunner, Result
 from rich.console import Console
+from sqlalchemy.exc import OperationalError, ProgrammingError
 
 import fusetune
 from fusetune import cli
-from fusetune.db.store import Store
+from fusetune.db.store import Store, make_engine
 
 INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 needs_interpreter = pytest.mark.skipif(
@@ -61,20 +63,30 @@ def run_search(db_url: str, cwd: Path, *args: str, timeout: float = 240
     return proc
 
 
-def results_rows(db_path: Path) -> list[tuple]:
-    with sqlite3.connect(db_path, timeout=60) as con:
-        return con.execute(
-            "SELECT r.id, r.point_id, r.config_key, r.status, r.time_us, r.created_at, "
-            "r.trial_number, p.batch, p.seq FROM ft_results r JOIN ft_points p "
-            "ON p.id = r.point_id ORDER BY r.id").fetchall()
+def query(db_url: str, sql: str) -> list[tuple]:
+    """Rows of `sql` on the database at `db_url` (SQLite or PostgreSQL), read as a user would."""
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as con:
+            return [tuple(r) for r in con.execute(sqlalchemy.text(sql)).all()]
+    finally:
+        engine.dispose()
 
 
-def study_trial_counts(db_path: Path, db_url: str) -> dict[str, int]:
+def results_rows(db_url: str) -> list[tuple]:
+    return query(db_url, "SELECT r.id, r.point_id, r.config_key, r.status, r.time_us, "
+                 "r.created_at, r.trial_number, p.batch, p.seq FROM ft_results r "
+                 "JOIN ft_points p ON p.id = r.point_id ORDER BY r.id")
+
+
+def study_trial_counts(db_url: str) -> dict[str, int]:
     import optuna
 
-    with sqlite3.connect(db_path, timeout=60) as con:
-        names = [n for (n,) in con.execute("SELECT study_name FROM ft_points")]
-    return {n: len(optuna.load_study(study_name=n, storage=db_url).get_trials()) for n in names}
+    from fusetune.tuner.search import open_storage
+
+    storage = open_storage(db_url)
+    names = [n for (n,) in query(db_url, "SELECT study_name FROM ft_points")]
+    return {n: len(optuna.load_study(study_name=n, storage=storage).get_trials()) for n in names}
 
 
 def pruned_total(output: str, gpu: str) -> int:
@@ -192,7 +204,7 @@ def test_search_show_export_lookup(db_url: str, tmp_path: Path, fresh_tables: No
                "--dtype", "float16", "--trials", "4")
     points = {(1, 1), (3, 1), (1, 2), (3, 2)}
 
-    rows = results_rows(tmp_path / "ft.db")
+    rows = results_rows(db_url)
     for b, s in points:
         mine = [r for r in rows if (r[7], r[8]) == (b, s)]
         assert len(mine) >= 4, (b, s, mine)
@@ -245,10 +257,9 @@ def test_search_show_export_lookup(db_url: str, tmp_path: Path, fresh_tables: No
 
 @pytest.mark.slow
 def test_resume_keeps_results_and_adds_trials(db_url: str, tmp_path: Path) -> None:
-    db = tmp_path / "ft.db"
     grid = ("--dim", "64", "--batch", "1,3", "--seq", "1", "--dtype", "float16")
     run_search(db_url, tmp_path, *grid, "--trials", "3")
-    first = results_rows(db)
+    first = results_rows(db_url)
     per_point = {}
     for r in first:
         per_point.setdefault((r[7], r[8]), []).append(r)
@@ -256,7 +267,7 @@ def test_resume_keeps_results_and_adds_trials(db_url: str, tmp_path: Path) -> No
     assert all(len(v) == 3 for v in per_point.values()), first
 
     run_search(db_url, tmp_path, *grid, "--trials", "6")
-    second = results_rows(db)
+    second = results_rows(db_url)
     assert second[: len(first)] == first  # same ids, configs, statuses, times, created_at
     assert set(second[len(first):]).isdisjoint(first)
     keys = [(r[1], r[2]) for r in second]
@@ -266,10 +277,10 @@ def test_resume_keeps_results_and_adds_trials(db_url: str, tmp_path: Path) -> No
         counts[(r[7], r[8])] = counts.get((r[7], r[8]), 0) + 1
     assert counts[(1, 1)] >= 6 and counts[(3, 1)] >= 6, counts
 
-    trials_before = study_trial_counts(db, db_url)
+    trials_before = study_trial_counts(db_url)
     run_search(db_url, tmp_path, *grid, "--trials", "6")
-    assert results_rows(db) == second  # nothing new stored, nothing changed
-    assert study_trial_counts(db, db_url) == trials_before  # and nothing run again
+    assert results_rows(db_url) == second  # nothing new stored, nothing changed
+    assert study_trial_counts(db_url) == trials_before  # and nothing run again
 
 
 @pytest.mark.slow
@@ -277,7 +288,8 @@ def test_kill_9_then_resume(db_url: str, tmp_path: Path) -> None:
     import optuna
     from optuna.trial import TrialState
 
-    db = tmp_path / "ft.db"
+    from fusetune.tuner.search import open_storage
+
     cmd = search_cmd(db_url, "--dim", "256", "--batch", "16", "--seq", "16", "--dtype",
                      "float16", "--trials", "10")
     log = (tmp_path / "first.log").open("w")
@@ -286,21 +298,26 @@ def test_kill_9_then_resume(db_url: str, tmp_path: Path) -> None:
     try:
         deadline = time.monotonic() + 120
         n = 0
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "the search ended before it could be killed"
-            if db.exists():
+        # Kill in the middle of a trial, not between two: a RUNNING trial that is claimed is
+        # being evaluated (a repeat of a stored config is RUNNING only for an instant).
+        poll = ("SELECT (SELECT COUNT(*) FROM ft_results), (SELECT COUNT(*) FROM trials t "
+                "JOIN ft_running r ON r.trial_number = t.number WHERE t.state = 'RUNNING')")
+        engine = make_engine(db_url)
+        try:
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, "the search ended before it could be killed"
                 try:
-                    with sqlite3.connect(db, timeout=60) as con:
-                        n = con.execute("SELECT COUNT(*) FROM ft_results").fetchone()[0]
-                        running = con.execute(
-                            "SELECT COUNT(*) FROM trials WHERE state = 'RUNNING'").fetchone()[0]
-                except sqlite3.OperationalError:  # tables not created yet
+                    with engine.connect() as con:
+                        n, running = con.execute(sqlalchemy.text(poll)).one()
+                except (OperationalError, ProgrammingError):  # tables not created yet
                     n = running = 0
-                if n >= 3 and running:  # kill in the middle of a trial, not between two
+                if n >= 3 and running:
+                    os.kill(proc.pid, signal.SIGKILL)
                     break
-            time.sleep(0.05)
+                time.sleep(0.05)
+        finally:
+            engine.dispose()
         assert n >= 3, "no 3 results within 120 s"
-        os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
         if proc.poll() is None:
@@ -308,11 +325,11 @@ def test_kill_9_then_resume(db_url: str, tmp_path: Path) -> None:
             proc.wait()
         log.close()
 
-    before = results_rows(db)
+    before = results_rows(db_url)
     assert len(before) >= 3
-    with sqlite3.connect(db) as con:
-        (study_name,) = con.execute("SELECT study_name FROM ft_points").fetchone()
-    study = optuna.load_study(study_name=study_name, storage=db_url)
+    ((study_name,),) = query(db_url, "SELECT study_name FROM ft_points")
+    storage = open_storage(db_url)
+    study = optuna.load_study(study_name=study_name, storage=storage)
     was_running = [t.number for t in study.get_trials(states=(TrialState.RUNNING,))]
     assert was_running, "the killed search left no trial RUNNING (killed between trials?)"
 
@@ -320,7 +337,7 @@ def test_kill_9_then_resume(db_url: str, tmp_path: Path) -> None:
                            timeout=400, check=False)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
 
-    after = results_rows(db)
+    after = results_rows(db_url)
     assert after[: len(before)] == before
     keys = [(r[1], r[2]) for r in after]
     assert len(keys) == len(set(keys))
@@ -328,7 +345,7 @@ def test_kill_9_then_resume(db_url: str, tmp_path: Path) -> None:
     assert ok_or_not <= {"ok", "infeasible"}, ok_or_not
     assert sum(1 for r in after if r[3] == "ok") >= 10
 
-    study = optuna.load_study(study_name=study_name, storage=db_url)
+    study = optuna.load_study(study_name=study_name, storage=storage)
     trials = study.get_trials()
     assert not [t.number for t in trials if t.state == TrialState.RUNNING]
     by_number = {t.number: t for t in trials}
@@ -376,8 +393,9 @@ def test_runtime_import_does_not_load_optuna_or_sqlalchemy(tmp_path: Path) -> No
     ("lola", {"dim": 64, "out": 40}),
     ("qkv", {"dim": 32, "head_dim": 8, "interleaved": 1, "n_heads": 4, "n_kv_heads": 2}),
 ])
-def test_kernel_search_export_lookup(kernel: str, dims: dict[str, int], db_url: str,
+def test_kernel_search_export_lookup(kernel: str, dims: dict[str, int], sqlite_url: str,
                                      tmp_path: Path, fresh_tables: None) -> None:
+    db_url = sqlite_url  # about the kernels: the storage backends are tested elsewhere
     dims_arg = ",".join(f"{k}={v}" for k, v in dims.items())
     proc = subprocess.run(
         [sys.executable, "-m", "fusetune.cli", "search", "--kernel", kernel, "--backend",
@@ -440,3 +458,16 @@ def test_show_point_lists_top_configs_and_failure_reasons(db_url: str) -> None:
     assert "wrong_result" in out.output
     missing = invoke("show", "--db", db_url, "--point", "99")
     assert missing.exit_code != 0 and f"points: {pid}" in missing.output
+
+
+@pytest.mark.parametrize("command", [["show"], ["export", "out.yaml"]])
+def test_unreachable_database_is_one_line_without_the_password(command: list[str],
+                                                               tmp_path: Path) -> None:
+    url = "postgresql://tuner:s3cret-pw@127.0.0.1:1/fusetune"  # port 1: nothing listens
+    if command[0] == "export":
+        command = ["export", str(tmp_path / "out.yaml")]
+    res = invoke(*command, "--db", url)
+    assert res.exit_code != 0
+    assert "cannot open database" in res.output or "psycopg" in res.output, res.output
+    assert "s3cret-pw" not in res.output
+    assert "Traceback" not in res.output

@@ -71,7 +71,6 @@ class SearchSpace:
             params[p.optuna_name] = v.bit_length() - 1 if p.kind == "pow2" else v
         return params
 
-
     def from_params(self, params: Mapping[str, int]) -> Config:
         """The config of Optuna parameters made by `suggest` or `to_params`."""
         return {p.name: (1 << params[p.optuna_name]) if p.kind == "pow2" else params[p.optuna_name]
@@ -151,6 +150,9 @@ class Plan:
     feasible: list[Config]
     infeasible: dict[str, str] = field(default_factory=dict)  # config_key -> reason
     pruned_reasons: Counter[str] = field(default_factory=Counter)
+    # config_key -> the first config of the space that collapses onto it: how a sampler reaches
+    # a canonical config that lies outside the space itself.
+    representative: dict[str, Config] = field(default_factory=dict)
 
     @property
     def distinct(self) -> int:
@@ -168,14 +170,13 @@ def _limit_label(reason: str, gpu: GpuSpec) -> str:
 
 def make_plan(space: SearchSpace, spec: KernelSpec, point: Point, gpu: GpuSpec) -> Plan:
     """Enumerates the space for `point`, collapses equivalent configs, prunes by `gpu`'s limits."""
-    seen: set[str] = set()
     plan = Plan(point, space.size, [])
     for raw in space.configs():
         c = spec.canonical(raw, point)
         key = config_key(c)
-        if key in seen:
+        if key in plan.representative:
             continue
-        seen.add(key)
+        plan.representative[key] = raw
         why = check_fits(spec.resources(c, point), gpu)
         if why is None:
             plan.feasible.append(c)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 import optuna
 from optuna.trial import TrialState
@@ -17,11 +19,15 @@ from fusetune.db.store import PointKey, Store
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._spec import Config, Cost, KernelSpec, Point
 from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
-from fusetune.tuner.liveness import Heartbeat, is_stale
+from fusetune.tuner.liveness import ClaimedElsewhere, Heartbeat, is_stale
+from fusetune.tuner.sampling import SEARCH_STRATEGY, Proposer, max_asks
+from fusetune.tuner.seeds import neighbour_winners, start_configs
 from fusetune.tuner.space import Plan, SearchSpace, config_key, make_plan
 from fusetune.tuner.worker import Worker
 
 INTERRUPTED = "interrupted: the search stopped while this trial ran; it is tried again on resume"
+WAIT_POLL_S = 0.5  # how often a finishing search looks whether others' trials on its point ended
+CLAIM_DELAY_S = 2.0  # ample time for a live search to claim the trial it has just asked for
 
 
 @dataclass
@@ -89,12 +95,18 @@ def _fail_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage
     # An unclaimed RUNNING trial is a live search's only in the instant between asking for it
     # and claiming it; with no live claim on the point at all, no search is running here.
     others_live = any(not is_stale(c, None) for c in claims.values())
+    if not others_live and any(t.number not in claims for t in running):
+        # ... unless that search is in that very instant (two searches starting on a point
+        # together): look again once it has had the time to claim.
+        time.sleep(CLAIM_DELAY_S)
+        claims = store.running(point_id)
+        others_live = any(not is_stale(c, None) for c in claims.values())
     study_id = storage.get_study_id_from_name(study.study_name)
     failed = 0
     for t in running:
         claim = claims.get(t.number)
         unclaimed_and_alone = claim is None and not others_live
-        if not unclaimed_and_alone and not is_stale(claim, t.datetime_start):
+        if not unclaimed_and_alone and not is_stale(claim, _utc(t.datetime_start)):
             continue
         trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
         try:
@@ -107,6 +119,21 @@ def _fail_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage
             store.release(claim.id)
         failed += 1
     return failed
+
+
+def _utc(t: datetime | None) -> datetime | None:
+    """Optuna stores its trials' times naive, in the local time of the process that wrote them."""
+    return t.astimezone(timezone.utc) if t is not None and t.tzinfo is None else t
+
+
+def _fail(study: optuna.Study, trial: optuna.Trial, status: str, reason: str) -> None:
+    """Reports a trial failed, unless another search finished it meanwhile."""
+    try:
+        trial.set_user_attr("status", status)
+        trial.set_user_attr("reason", reason[:1000])
+        study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        pass
 
 
 class PointTuner:
@@ -122,6 +149,7 @@ class PointTuner:
         self.point_id = ctx.store.point_id(self.key)
         self.results = ctx.store.results(self.point_id)
         self.default = self.spec.canonical(self.spec.default_config(point, ctx.gpu), point)
+        self.feasible_keys = {config_key(c) for c in self.plan.feasible}
         self._evaluator: Evaluator | Worker | None = None
         self.n_new = 0
 
@@ -182,92 +210,141 @@ class PointTuner:
     # -- the study -----------------------------------------------------------------------------
 
     def _evaluated_feasible(self) -> int:
-        return sum(1 for c in self.plan.feasible if config_key(c) in self.results)
+        return len(self.feasible_keys & self.results.keys())
+
+    def _refresh(self) -> None:
+        """Takes in what other searches on this point stored meanwhile (in place: callers may
+        hold `results`)."""
+        self.results.update(self.ctx.store.results(self.point_id))
+
+    def _claims_elsewhere(self) -> dict[int, str]:
+        """Claim id -> config key of the configs, not stored yet, that other live searches are
+        evaluating on this point right now."""
+        return {c.id: c.config_key for c in self.ctx.store.running(self.point_id).values()
+                if c.config_key is not None and c.config_key not in self.results
+                and not is_stale(c, None)}
+
+    def evaluate(self, config: Config) -> Outcome:
+        """Evaluates one config outside any study (the exhaustive grid) and stores the result."""
+        return self._evaluate(config, None)
 
     def run(self) -> PointResult:
         ctx, opts = self.ctx, self.options
         target = min(opts.trials, len(self.plan.feasible))
+        strategy = SEARCH_STRATEGY
         study = optuna.create_study(
             storage=ctx.storage, study_name=self.key.study_name, direction="minimize",
-            load_if_exists=True,
-            sampler=optuna.samplers.TPESampler(seed=opts.seed, multivariate=True,
-                                               n_startup_trials=max(4, min(10, target // 4))))
+            load_if_exists=True, sampler=strategy.sampler(opts.seed, target))
         _fail_stale_trials(study, ctx.storage, ctx.store, self.point_id)
         study.set_user_attr("point", self.point.label)
         study.set_user_attr("gpu", ctx.gpu.name)
 
-        # The default first, then (for small spaces) every remaining config in order.
-        queue = [self.default]
-        if len(self.plan.feasible) <= opts.trials:
-            queue += self.plan.feasible
-        waiting = {
-            # An enqueued trial keeps its parameters in system_attrs until it is asked for.
-            config_key(self.spec.canonical(ctx.space.from_params(
-                t.system_attrs.get("fixed_params") or t.params), self.point))
-            for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        }
-        for c in queue:
-            k = config_key(c)
-            if k in self.results or k in waiting:
-                continue
-            params = ctx.space.to_params(c)
-            if params is None:  # outside the YAML space (e.g. a user space): run it directly
+        def known(key: str) -> float | None:
+            return self._value(key) if key in self.results else None
+
+        def on_repeat(trial: optuna.Trial, key: str) -> None:
+            trial.set_user_attr("status", self.results[key].status)
+
+        proposer = Proposer(study, ctx.space, self.spec, self.point, self.plan, known,
+                            random.Random(opts.seed + len(self.results)), max_asks(target),
+                            on_repeat)
+        # The default first, then the nearest points' winners; every later config comes from
+        # the sampler (which covers small spaces whole: see Proposer). Not for a point that has
+        # its budget already: nothing would be asked, the enqueued trials would only wait.
+        if strategy.seeded and self._evaluated_feasible() < target:
+            neighbours = neighbour_winners(ctx.store, self.key, self.point_id)
+            starts = start_configs(self.spec, self.point, self.plan, self.default, neighbours)
+            for c in proposer.enqueue(starts):  # outside the YAML space: run it directly
                 self._evaluate(c, None)
-                continue
-            study.enqueue_trial(params)
-            waiting.add(k)
 
         started = time.monotonic()
-        asks, repeats = 0, 0
-        rng = random.Random(opts.seed + len(self.results))
-        while self._evaluated_feasible() < target:
+        # Steers this search off configs that others are evaluating; seeded per process so that
+        # two searches do not steer to the same config.
+        elsewhere_rng = random.Random(opts.seed * 1_000_003 + os.getpid())
+        while True:
+            # Searches on one point share its budget: the configs any of them stored, and those
+            # another one is evaluating right now, count.
+            self._refresh()
+            busy = set(self._claims_elsewhere().values()) & self.feasible_keys
+            if self._evaluated_feasible() + len(busy) >= target:
+                break
             if opts.time_budget_s is not None and time.monotonic() - started > opts.time_budget_s:
                 break
-            if asks > 20 * target + 100:  # the sampler keeps proposing what was done: stop
-                break
-            asks += 1
-            trial = study.ask()
-            config = self.spec.canonical(ctx.space.suggest(trial), self.point)
-            key = config_key(config)
-            trial.set_user_attr("config", config)
-            if key in self.results:
-                # Never redone: the stored value answers (repeats happen in small spaces).
-                row = self.results[key]
-                trial.set_user_attr("status", row.status)
-                trial.set_user_attr("repeat_of", key)
-                study.tell(trial, self._value(key))
-                repeats += 1
-                if repeats >= 3:  # steer the sampler to an untried config
-                    todo = [c for c in self.plan.feasible if config_key(c) not in self.results]
+            try:
+                proposal = proposer.next()
+                if proposal is None:  # the sampler keeps proposing what was done: stop
+                    break
+                if not self._run_trial(study, proposal.trial, proposal.config, target):
+                    # The sampler may well propose that config again while it runs elsewhere
+                    # (a failed trial teaches it nothing): offer it one nobody has.
+                    taken = busy | {proposal.key}
+                    todo = [c for c in self.plan.feasible
+                            if config_key(c) not in self.results and config_key(c) not in taken]
                     if todo:
-                        p = ctx.space.to_params(rng.choice(todo))
-                        if p is not None:
-                            study.enqueue_trial(p)
-                    repeats = 0
+                        proposer.enqueue([elsewhere_rng.choice(todo)])
+            except optuna.exceptions.UpdateFinishedTrialError:
+                # Another search was handed this very trial (on SQLite, Optuna's queue has no
+                # row locks) and finished it; that search stored its result.
                 continue
-            repeats = 0
-            # The claim covers the trial until Optuna has its result: a search starting on this
-            # point meanwhile sees a live trial, not a stale one.
-            with Heartbeat(ctx.store, self.point_id, trial.number):
+        return self.finish()
+
+    def _run_trial(self, study: optuna.Study, trial: optuna.Trial, config: Config,
+                   target: int) -> bool:
+        """Evaluates the trial's config under a claim, stores the result and tells the study.
+        Nothing runs when another search has the config: already stored (the stored value
+        answers), or claimed, that is being evaluated now (the trial fails with status
+        `claimed`, and this returns False)."""
+        key = config_key(config)
+        # The claim covers the trial until Optuna has its result: a search starting on this
+        # point meanwhile sees a live trial, not a stale one.
+        try:
+            with Heartbeat(self.ctx.store, self.point_id, trial.number, config_key=key):
+                # Stored by another search between this one's refresh and its claim? (A
+                # result is stored before its claim is released, so it is visible here.)
+                stored = self.ctx.store.result(self.point_id, key)
+                if stored is not None:
+                    self.results[key] = stored
+                    trial.set_user_attr("status", stored.status)
+                    trial.set_user_attr("repeat_of", key)
+                    study.tell(trial, self._value(key))
+                    return True
                 try:
                     out = self._evaluate(config, trial.number)
                 except (KeyboardInterrupt, DeviceLostError) as exc:
-                    reason = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else str(exc)
-                    trial.set_user_attr("status", "interrupted" if isinstance(
-                        exc, KeyboardInterrupt) else "crashed")
-                    trial.set_user_attr("reason", reason)
-                    study.tell(trial, state=TrialState.FAIL)
+                    interrupted = isinstance(exc, KeyboardInterrupt)
+                    _fail(study, trial, "interrupted" if interrupted else "crashed",
+                          INTERRUPTED if interrupted else str(exc))
                     raise
                 self._tell(study, trial, out)
-            if out.status != "infeasible":
-                best = min((self._value(k) for k in self.results), default=math.inf)
-                self.progress(self._evaluated_feasible(), target,
-                              f"{out.status} best {best:.1f} µs" if best < math.inf
-                              else out.status)
-        return self._finish()
+        except ClaimedElsewhere as exc:
+            if exc.claim.trial_number != trial.number:  # the trial is ours, its config is not
+                _fail(study, trial, "claimed", f"evaluated by another search meanwhile: {exc}")
+            return False
+        if out.status != "infeasible":
+            best = min((self._value(k) for k in self.results), default=math.inf)
+            self.progress(self._evaluated_feasible(), target,
+                          f"{out.status} best {best:.1f} µs" if best < math.inf else out.status)
+        return True
 
-    def _finish(self) -> PointResult:
-        """Re-times the best few beside the default, interleaved; stores the winner."""
+    def _wait_for_others(self) -> None:
+        """Waits until the configs other searches are evaluating on this point now are stored,
+        so that the winner is picked from every result. Only those: a claim lasts one
+        evaluation, and the claim of a process that died goes stale."""
+        pending = self._claims_elsewhere()
+        while pending:
+            self.progress(self._evaluated_feasible(),
+                          min(self.options.trials, len(self.feasible_keys)),
+                          f"waiting for {len(pending)} trial(s) of another search")
+            time.sleep(WAIT_POLL_S)
+            live = {c.id for c in self.ctx.store.running(self.point_id).values()
+                    if not is_stale(c, None)}
+            pending = {i: k for i, k in pending.items() if i in live}
+
+    def finish(self) -> PointResult:
+        """Re-times the best few beside the default, interleaved; stores the winner (picked
+        from every stored result of the point, other searches' too)."""
+        self._wait_for_others()
+        self._refresh()
         cost = self.spec.cost(self.point)
         res = PointResult(self.point, cost, default_config=self.default,
                           n_evaluated=len(self.results), n_new=self.n_new,

@@ -1,0 +1,123 @@
+"""Click options shared by the commands that measure points (`search`, `evaluate-search`):
+which kernel and points, where results go, how configs run. Parsed into one `PointArgs`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import click
+
+from fusetune.tuner.search import BACKEND_CHOICES, DEFAULT_GRID
+
+DEFAULT_DB = "sqlite:///fusetune.db"
+
+
+def int_list(_ctx: Any, param: click.Parameter, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated integers, e.g. 1,16,64",
+                                 param=param) from None
+    if not out or any(v < 1 for v in out):
+        raise click.BadParameter(f"{value!r}: expected positive integers", param=param)
+    return out
+
+
+def str_list(_ctx: Any, _param: click.Parameter, value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def dims_map(_ctx: Any, param: click.Parameter, value: str | None) -> dict[str, int] | None:
+    if value is None:
+        return None
+    out: dict[str, int] = {}
+    for part in value.split(","):
+        name, _, num = part.partition("=")
+        try:
+            out[name.strip()] = int(num)
+        except ValueError:
+            raise click.BadParameter(f"{part!r}: expected name=integer, e.g. dim=4096",
+                                     param=param) from None
+    return out
+
+
+@dataclass
+class PointArgs:
+    """The shared options, as parsed."""
+
+    kernel: str
+    gpu_name: str | None
+    model: str | None
+    dim: int | None
+    dims_opt: dict[str, int] | None
+    batch: list[int] | None
+    seq: list[int] | None
+    dtype: list[str] | None
+    db: str
+    backend: str
+    space_path: str | None
+    isolate: bool
+    trial_timeout: float
+
+    @property
+    def worker_timeout(self) -> float | None:
+        """Seconds per config in a worker subprocess, or None to run configs in-process."""
+        return self.trial_timeout if self.isolate else None
+
+
+_OPTIONS = (
+    click.option("--kernel", "-k", required=True, help="Kernel to tune (rmsnorm, ...)."),
+    click.option("--gpu", "gpu_name", default=None,
+                 help="GPU the tables are for (3090, h100, a100-80gb; see `fusetune gpus`). Must "
+                      "be a visible device when configs run. Default: the first visible GPU."),
+    click.option("--model", default=None,
+                 help="Model preset for the dims (llama-2-7b, llama-3-8b, gpt2, ...). "
+                      f"Default: {DEFAULT_GRID['model']}."),
+    click.option("--dim", type=click.IntRange(min=1), default=None,
+                 help="Width of the normalized rows (instead of --model)."),
+    click.option("--dims", "dims_opt", callback=dims_map, default=None,
+                 help="All dims as name=value,... (instead of --model)."),
+    click.option("--batch", callback=int_list, default=None,
+                 help="Batch sizes, comma-separated. Default: "
+                      f"{','.join(map(str, DEFAULT_GRID['batch']))}."),
+    click.option("--seq", callback=int_list, default=None,
+                 help="Sequence lengths (1 = decode). Default: "
+                      f"{','.join(map(str, DEFAULT_GRID['seq']))}."),
+    click.option("--dtype", callback=str_list, default=None,
+                 help=f"Activation dtypes. Default: {','.join(DEFAULT_GRID['dtype'])}."),
+    click.option("--db", default=DEFAULT_DB, show_default=True,
+                 help="Database URL for results and Optuna studies (sqlite:///..., "
+                      "postgresql://...)."),
+    click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto",
+                 show_default=True,
+                 help="cuda, or Triton's CPU interpreter (meaningless timings; automatic when no "
+                      "GPU is visible, with a smaller default grid)."),
+    click.option("--space", "space_path", type=click.Path(dir_okay=False), default=None,
+                 help="A search-space YAML to use instead of the kernel's own."),
+    click.option("--isolate/--in-process", default=False, show_default=True,
+                 help="Run configs in a worker subprocess: a config that crashes or hangs is "
+                      "recorded (crashed / timeout) and the worker restarted, the run goes on."),
+    click.option("--trial-timeout", type=click.FloatRange(min=1), default=300,
+                 show_default=True,
+                 help="Seconds one config may take (compile, check and timing) with --isolate."),
+)
+_NAMES = tuple(f.name for f in fields(PointArgs))
+
+
+def point_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Adds the shared options to a click command; it receives them as its first argument, one
+    `PointArgs`, and its own options as keywords."""
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        args = PointArgs(**{name: kwargs.pop(name) for name in _NAMES})
+        return command(args, **kwargs)
+
+    for option in reversed(_OPTIONS):
+        wrapper = option(wrapper)
+    return wrapper

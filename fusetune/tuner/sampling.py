@@ -1,0 +1,172 @@
+"""How configs are picked: the samplers a study can use, and the ask loop around them.
+
+`SEARCH_STRATEGY` is what `fusetune search` runs. `fusetune evaluate-search` replays it and the
+other strategies against stored timings through the same `Proposer` and the same sampler
+factories, so that what is measured there is what the search does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import optuna
+from optuna.trial import TrialState
+
+from fusetune.kernels._spec import Config, KernelSpec, Point
+from fusetune.tuner.space import Plan, SearchSpace, config_key
+
+# Repeats in a row (the sampler proposing configs already known) before an untried config is
+# enqueued: small spaces get covered instead of sampled again and again.
+REPEATS_BEFORE_NUDGE = 3
+
+
+def max_asks(target: int) -> int:
+    """Asks after which a study that keeps proposing known configs is stopped."""
+    return 20 * target + 100
+
+
+def _search_sampler(seed: int, target: int) -> optuna.samplers.BaseSampler:
+    # Multivariate TPE models the tile sizes jointly (they interact through shared memory and
+    # occupancy); few random start-up trials because the default and neighbours' winners are
+    # enqueued first and the budget is small.
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True,
+                                      n_startup_trials=max(4, min(10, target // 4)))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A way of choosing configs: an Optuna sampler and whether the study starts from the
+    default config and the neighbouring points' winners."""
+
+    name: str
+    description: str
+    make: Callable[[int, int], optuna.samplers.BaseSampler]  # (seed, target evaluations)
+    seeded: bool = False
+    needs: tuple[str, ...] = ()  # modules the sampler imports when it runs
+
+    def missing(self) -> list[str]:
+        """The modules this strategy needs that are not installed."""
+        return [m for m in self.needs if importlib.util.find_spec(m) is None]
+
+    def sampler(self, seed: int, target: int) -> optuna.samplers.BaseSampler:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return self.make(seed, target)
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("random", "optuna RandomSampler",
+             lambda seed, _n: optuna.samplers.RandomSampler(seed=seed)),
+    Strategy("tpe", "optuna TPESampler with its defaults (multivariate since optuna 5.0)",
+             lambda seed, _n: optuna.samplers.TPESampler(seed=seed)),
+    Strategy("gp", "optuna GPSampler (Gaussian process; needs torch and scipy)",
+             lambda seed, _n: optuna.samplers.GPSampler(seed=seed), needs=("torch", "scipy")),
+    Strategy("fusetune", "what `fusetune search` does: multivariate TPE, the default config "
+             "and the nearest points' winners first", _search_sampler, seeded=True),
+    Strategy("fusetune-cold", "the search's sampler without the default config and the "
+             "neighbours' winners", _search_sampler),
+)}
+SEARCH_STRATEGY = STRATEGIES["fusetune"]
+DEFAULT_STRATEGIES = ("random", "tpe", "gp", "fusetune")
+
+
+def get_strategy(name: str) -> Strategy:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; valid: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+@dataclass
+class Proposal:
+    trial: optuna.trial.Trial
+    config: Config
+    key: str
+
+
+class Proposer:
+    """Asks a study for configs the way the search does, until it gets one not known yet.
+
+    Suggested configs are made canonical for the point. A config whose value is known (done
+    before, or pruned) is answered at once with that value: a repeat costs no evaluation. After
+    `REPEATS_BEFORE_NUDGE` repeats in a row an untried feasible config, chosen at random, is
+    enqueued. `known(key)` is the objective value of a config (None if not known yet); the caller
+    evaluates each proposal and tells the study. `on_repeat(trial, key)` may annotate the trial
+    of a repeat before it is told.
+    """
+
+    def __init__(self, study: optuna.Study, space: SearchSpace, spec: KernelSpec, point: Point,
+                 plan: Plan, known: Callable[[str], float | None], rng: random.Random,
+                 limit: int, on_repeat: Callable[[optuna.Trial, str], None] | None = None
+                 ) -> None:
+        self.study, self.space, self.spec, self.point, self.plan = study, space, spec, point, plan
+        self.known, self.rng, self.limit, self.on_repeat = known, rng, limit, on_repeat
+        self.asks = 0
+        self._repeats = 0
+        self._waiting = {
+            # An enqueued trial keeps its parameters in system_attrs until it is asked for.
+            config_key(self._canonical(t.system_attrs.get("fixed_params") or t.params))
+            for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        }
+
+    def _canonical(self, params: dict[str, int]) -> Config:
+        return self.spec.canonical(self.space.from_params(params), self.point)
+
+    def params_of(self, config: Config) -> dict[str, int] | None:
+        """Optuna parameters that reach `config` (itself or a config of the space that
+        collapses onto it), or None if the space cannot express it."""
+        params = self.space.to_params(config)
+        if params is None:
+            raw = self.plan.representative.get(config_key(config))
+            params = None if raw is None else self.space.to_params(raw)
+        return params
+
+    def enqueue(self, configs: Iterable[Config]) -> list[Config]:
+        """Enqueues the configs that are neither known nor waiting, in order; returns those the
+        space cannot express (the caller evaluates them directly)."""
+        direct: list[Config] = []
+        for c in configs:
+            key = config_key(c)
+            if self.known(key) is not None or key in self._waiting:
+                continue
+            params = self.params_of(c)
+            if params is None:
+                direct.append(c)
+                continue
+            self.study.enqueue_trial(params)
+            self._waiting.add(key)
+        return direct
+
+    def _nudge(self) -> None:
+        todo = [c for c in self.plan.feasible if self.known(config_key(c)) is None]
+        if todo:
+            params = self.params_of(self.rng.choice(todo))
+            if params is not None:
+                self.study.enqueue_trial(params)
+
+    def next(self) -> Proposal | None:
+        """The next config to evaluate, or None once `limit` asks brought nothing new."""
+        while self.asks < self.limit:
+            self.asks += 1
+            trial = self.study.ask()
+            config = self.spec.canonical(self.space.suggest(trial), self.point)
+            key = config_key(config)
+            self._waiting.discard(key)
+            trial.set_user_attr("config", config)
+            value = self.known(key)
+            if value is None:
+                self._repeats = 0
+                return Proposal(trial, config, key)
+            # Never redone: the known value answers (repeats happen in small spaces).
+            trial.set_user_attr("repeat_of", key)
+            if self.on_repeat is not None:
+                self.on_repeat(trial, key)
+            self.study.tell(trial, value)
+            self._repeats += 1
+            if self._repeats >= REPEATS_BEFORE_NUDGE:
+                self._nudge()
+                self._repeats = 0
+        return None
