@@ -11,6 +11,13 @@ import triton.language as tl
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._spec import Config, Point, Resources, check_fits, next_pow2
 
+# The tunables every matmul kernel has (the YAML spaces and tables name exactly these), and
+# the tolerance its output is checked with (float32 accumulation of fp16/bf16 products).
+MATMUL_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K",
+                      "num_warps", "num_stages")
+MATMUL_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
+MATMUL_TOLERANCE = {"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
+
 
 @triton.jit
 def grouped_tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
@@ -40,6 +47,73 @@ def partial_ptrs(WS, slot, rows, cols, n_rows, n_cols):
     at `slot`: split-K programs store their partial accumulators there and the finishing pass
     adds the slots up."""
     return WS + (slot * n_rows + rows[:, None]).to(tl.int64) * n_cols + cols[None, :]
+
+
+@triton.jit
+def two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, PASSES: tl.constexpr, IEEE: tl.constexpr):
+    """x·Waᵀ and x·Wbᵀ over this program's K-slice for the rows rm of X [M, K] (row stride
+    stride_xm). wa_rows / wb_rows [1, BLOCK_N] are the element offsets (int64) of the weight
+    rows in WA / WB, read transposed as [BLOCK_K, BLOCK_N] tiles (w_ok: which of the rows
+    exist). With PASSES == 1 x is scaled by the RMSNorm weight G on the way and the rows' sums
+    of x² come back too (zeros otherwise)."""
+    k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + (k_begin + rk)[None, :]
+    wa_ptrs = WA + (wa_rows + (k_begin + rk)[:, None])
+    wb_ptrs = WB + (wb_rows + (k_begin + rk)[:, None])
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_ok = rk < k_end - k0  # the last K-step may be partial: masked lanes read 0
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wa = tl.load(wa_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+        wb = tl.load(wb_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+        if PASSES == 1:
+            g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
+            x, x_sumsq = rms_scaled(x, g)
+            sumsq += x_sumsq
+        # With PASSES == 2 the tiles go from memory to the tensor cores untouched, which lets
+        # the compiler keep the asynchronous load/MMA pipeline that large M needs.
+        acc_a = dot(x, wa, acc_a, IEEE)
+        acc_b = dot(x, wb, acc_b, IEEE)
+        x_ptrs += BLOCK_K
+        wa_ptrs += BLOCK_K
+        wb_ptrs += BLOCK_K
+    return acc_a, acc_b, sumsq
+
+
+@triton.jit
+def two_partials_added(WS, WSQ, rm, cols, m_ok, mc_ok, M, n_cols,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                       PASSES: tl.constexpr):
+    """The split-K finishing pass of two_products: its two accumulators (slots 2s and 2s + 1 of
+    WS [2·SPLIT_K, M, n_cols]) and, with PASSES == 1, the x² sums (WSQ [SPLIT_K, M]) added up
+    over the slices."""
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc_a += tl.load(partial_ptrs(WS, 2 * s, rm, cols, M, n_cols), mask=mc_ok, other=0.0)
+        acc_b += tl.load(partial_ptrs(WS, 2 * s + 1, rm, cols, M, n_cols), mask=mc_ok,
+                         other=0.0)
+        if PASSES == 1:
+            sumsq += tl.load(WSQ + s * M + rm, mask=m_ok, other=0.0)
+    return acc_a, acc_b, sumsq
+
+
+@triton.jit
+def store_two_partials(WS, WSQ, acc_a, acc_b, sumsq, rm, cols, m_ok, mc_ok, M, n_cols,
+                       first_col_block, PASSES: tl.constexpr):
+    """This K-slice's (tl.program_id(1)) share for two_partials_added; the x² sums are stored
+    once per row-block, by the program of the first column-block."""
+    split = tl.program_id(1)
+    tl.store(partial_ptrs(WS, 2 * split, rm, cols, M, n_cols), acc_a, mask=mc_ok)
+    tl.store(partial_ptrs(WS, 2 * split + 1, rm, cols, M, n_cols), acc_b, mask=mc_ok)
+    if PASSES == 1 and first_col_block:
+        tl.store(WSQ + split * M + rm, sumsq, mask=m_ok)
 
 
 @triton.jit
@@ -133,3 +207,8 @@ def pipelined_smem(config: Config, elt: int, n_weights: int, epilogue: bool) -> 
         # (Hopper, BLOCK_M >= 64) the compiler then keeps num_stages full sets of tiles.
         return max(folded, stages * tile)
     return folded
+
+
+# The jit helpers a kernel built on two_products compiles in: part of its source hash.
+TWO_PRODUCT_SOURCES = (grouped_tile, k_slice, partial_ptrs, two_products, two_partials_added,
+                       store_two_partials, dot, rms_scaled)

@@ -20,14 +20,17 @@ import triton.language as tl
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._matmul import (
+    MATMUL_CONFIG_KEYS,
+    MATMUL_POW2_KEYS,
+    MATMUL_TOLERANCE,
+    TWO_PRODUCT_SOURCES,
     collapse_tiles,
     default_tiles,
-    dot,
     grouped_tile,
-    k_slice,
-    partial_ptrs,
     pipelined_smem,
-    rms_scaled,
+    store_two_partials,
+    two_partials_added,
+    two_products,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
@@ -74,47 +77,19 @@ def _ffn_kernel(
     m_ok = rm < M
     n_ok = rn < N
     mn_ok = m_ok[:, None] & n_ok[None, :]
-    acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     if FINISH:
-        for s in range(SPLIT_K):
-            acc1 += tl.load(partial_ptrs(WS, 2 * s, rm, rn, M, N), mask=mn_ok, other=0.0)
-            acc3 += tl.load(partial_ptrs(WS, 2 * s + 1, rm, rn, M, N), mask=mn_ok, other=0.0)
-            if PASSES == 1:
-                sumsq += tl.load(WSQ + s * M + rm, mask=m_ok, other=0.0)
+        acc1, acc3, sumsq = two_partials_added(WS, WSQ, rm, rn, m_ok, mn_ok, M, N, BLOCK_M,
+                                               BLOCK_N, SPLIT_K, PASSES)
     else:
-        k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
-        rk = tl.arange(0, BLOCK_K)
-        # x tile [BLOCK_M, BLOCK_K]; weight tiles read transposed as [BLOCK_K, BLOCK_N] (W[n, k]).
-        x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + (k_begin + rk)[None, :]
-        w_off = rn[None, :].to(tl.int64) * stride_wn + (k_begin + rk)[:, None]
-        w1_ptrs = W1 + w_off
-        w3_ptrs = W3 + w_off
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            k_ok = rk < k_end - k0  # the last K-step may be partial: masked lanes read 0
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w1 = tl.load(w1_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            w3 = tl.load(w3_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if PASSES == 1:
-                g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
-                x, x_sumsq = rms_scaled(x, g)
-                sumsq += x_sumsq
-            # With PASSES == 2 the tiles go from memory to the tensor cores untouched, which
-            # lets the compiler keep the asynchronous load/MMA pipeline that large M needs.
-            acc1 = dot(x, w1, acc1, IEEE)
-            acc3 = dot(x, w3, acc3, IEEE)
-            x_ptrs += BLOCK_K
-            w1_ptrs += BLOCK_K
-            w3_ptrs += BLOCK_K
+        # Weight tiles read transposed as [BLOCK_K, BLOCK_N] (W[n, k]): rows rn of W1 and W3.
+        w_off = rn[None, :].to(tl.int64) * stride_wn
+        acc1, acc3, sumsq = two_products(X, G, W1, w_off, W3, w_off, rm, m_ok, n_ok, K,
+                                         stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PASSES,
+                                         IEEE)
 
     if SPLIT_K > 1 and not FINISH:
-        # Partial sums of this K-slice; x² sums once per row-block (by the first column-block).
-        split = tl.program_id(1)
-        tl.store(partial_ptrs(WS, 2 * split, rm, rn, M, N), acc1, mask=mn_ok)
-        tl.store(partial_ptrs(WS, 2 * split + 1, rm, rn, M, N), acc3, mask=mn_ok)
-        if PASSES == 1 and pid_n == 0:
-            tl.store(WSQ + split * M + rm, sumsq, mask=m_ok)
+        store_two_partials(WS, WSQ, acc1, acc3, sumsq, rm, rn, m_ok, mn_ok, M, N, pid_n == 0,
+                           PASSES)
     else:
         if PASSES == 1:
             rstd = tl.rsqrt(sumsq / K + eps)[:, None]
@@ -277,9 +252,8 @@ SPEC = KernelSpec(
     name="ffn",
     description="RMSNorm -> x·W1ᵀ, x·W3ᵀ in one pass over x -> silu(a)·b",
     dim_names=("dim", "hidden"),
-    config_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K", "num_warps",
-                 "num_stages"),
-    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"),
+    config_keys=MATMUL_CONFIG_KEYS,
+    pow2_keys=MATMUL_POW2_KEYS,
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,
     reference=_reference,
@@ -289,7 +263,6 @@ SPEC = KernelSpec(
     cost=_cost,
     canonical=_canonical,
     dims_from_model=_dims_from_model,
-    tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
-    source_objects=(_ffn_kernel, grouped_tile, k_slice, partial_ptrs, dot, rms_scaled, _launch_2d,
-                    _rmsnorm_kernel),
+    tolerance=MATMUL_TOLERANCE,
+    source_objects=(_ffn_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, _rmsnorm_kernel),
 )

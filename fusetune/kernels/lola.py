@@ -23,6 +23,9 @@ import triton.language as tl
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._matmul import (
+    MATMUL_CONFIG_KEYS,
+    MATMUL_POW2_KEYS,
+    MATMUL_TOLERANCE,
     collapse_tiles,
     default_tiles,
     dot,
@@ -319,9 +322,8 @@ SPEC = KernelSpec(
     name="lola",
     description="LayerNorm (no affine) -> x·Wᵀ + b -> exact GELU",
     dim_names=("dim", "out"),
-    config_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K", "num_warps",
-                 "num_stages"),
-    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"),
+    config_keys=MATMUL_CONFIG_KEYS,
+    pow2_keys=MATMUL_POW2_KEYS,
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,
     reference=_reference,
@@ -331,7 +333,7 @@ SPEC = KernelSpec(
     cost=_cost,
     canonical=_canonical,
     dims_from_model=_dims_from_model,
-    tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
+    tolerance=MATMUL_TOLERANCE,
     source_objects=(_lola_kernel, _layernorm_kernel, grouped_tile, k_slice, partial_ptrs, dot,
                     _launch_2d, layernorm_rows),
 )

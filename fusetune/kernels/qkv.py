@@ -27,14 +27,17 @@ import triton.language as tl
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._matmul import (
+    MATMUL_CONFIG_KEYS,
+    MATMUL_POW2_KEYS,
+    MATMUL_TOLERANCE,
+    TWO_PRODUCT_SOURCES,
     collapse_tiles,
     default_tiles,
-    dot,
     grouped_tile,
-    k_slice,
-    partial_ptrs,
     pipelined_smem,
-    rms_scaled,
+    store_two_partials,
+    two_partials_added,
+    two_products,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
@@ -110,49 +113,19 @@ def _qkv_kernel(
         col_a = head * (2 * HALF) + i
         col_b = col_a + HALF
 
-    acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     if FINISH:
-        for s in range(SPLIT_K):
-            acc_a += tl.load(partial_ptrs(WS, 2 * s, rm, first + p, M, all_pairs), mask=mp_ok,
-                             other=0.0)
-            acc_b += tl.load(partial_ptrs(WS, 2 * s + 1, rm, first + p, M, all_pairs),
-                             mask=mp_ok, other=0.0)
-            if PASSES == 1:
-                sumsq += tl.load(WSQ + s * M + rm, mask=m_ok, other=0.0)
+        acc_a, acc_b, sumsq = two_partials_added(WS, WSQ, rm, first + p, m_ok, mp_ok, M,
+                                                 all_pairs, BLOCK_M, BLOCK_N, SPLIT_K, PASSES)
     else:
-        k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
-        rk = tl.arange(0, BLOCK_K)
-        x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + (k_begin + rk)[None, :]
         # Weight rows col_a and col_b, read transposed as [BLOCK_K, BLOCK_N] tiles.
-        wa_ptrs = W + col_a[None, :].to(tl.int64) * stride_w + (k_begin + rk)[:, None]
-        wb_ptrs = W + col_b[None, :].to(tl.int64) * stride_w + (k_begin + rk)[:, None]
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            k_ok = rk < k_end - k0  # partial last step: masked lanes read 0
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wa = tl.load(wa_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
-            wb = tl.load(wb_ptrs, mask=k_ok[:, None] & p_ok[None, :], other=0.0)
-            if PASSES == 1:
-                g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
-                x, x_sumsq = rms_scaled(x, g)
-                sumsq += x_sumsq
-            # With PASSES == 2 the tiles go from memory to the tensor cores untouched, which
-            # lets the compiler keep the asynchronous load/MMA pipeline that large M needs.
-            acc_a = dot(x, wa, acc_a, IEEE)
-            acc_b = dot(x, wb, acc_b, IEEE)
-            x_ptrs += BLOCK_K
-            wa_ptrs += BLOCK_K
-            wb_ptrs += BLOCK_K
+        acc_a, acc_b, sumsq = two_products(X, G, W, col_a[None, :].to(tl.int64) * stride_w,
+                                           W, col_b[None, :].to(tl.int64) * stride_w, rm, m_ok,
+                                           p_ok, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+                                           PASSES, IEEE)
 
     if SPLIT_K > 1 and not FINISH:
-        # Partial sums of this K-slice; x² sums once per row-block (by the first column-block).
-        split = tl.program_id(1)
-        tl.store(partial_ptrs(WS, 2 * split, rm, first + p, M, all_pairs), acc_a, mask=mp_ok)
-        tl.store(partial_ptrs(WS, 2 * split + 1, rm, first + p, M, all_pairs), acc_b,
-                 mask=mp_ok)
-        if PASSES == 1 and pid_n == 0:
-            tl.store(WSQ + split * M + rm, sumsq, mask=m_ok)
+        store_two_partials(WS, WSQ, acc_a, acc_b, sumsq, rm, first + p, m_ok, mp_ok, M,
+                           all_pairs, pid_n == 0, PASSES)
     else:
         if PASSES == 1:
             rstd = tl.rsqrt(sumsq / K + eps)[:, None]
@@ -388,9 +361,8 @@ SPEC = KernelSpec(
     name="qkv",
     description="RMSNorm -> Q, K, V projections -> RoPE on q and k, one launch",
     dim_names=("dim", "head_dim", "interleaved", "n_heads", "n_kv_heads"),
-    config_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K", "num_warps",
-                 "num_stages"),
-    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"),
+    config_keys=MATMUL_CONFIG_KEYS,
+    pow2_keys=MATMUL_POW2_KEYS,
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,
     reference=_reference,
@@ -400,7 +372,6 @@ SPEC = KernelSpec(
     cost=_cost,
     canonical=_canonical,
     dims_from_model=_dims_from_model,
-    tolerance={"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4},
-    source_objects=(_qkv_kernel, grouped_tile, k_slice, partial_ptrs, dot, rms_scaled, _launch_2d,
-                    _rmsnorm_kernel),
+    tolerance=MATMUL_TOLERANCE,
+    source_objects=(_qkv_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, _rmsnorm_kernel),
 )
