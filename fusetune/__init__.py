@@ -3,6 +3,7 @@
     y = fusetune.rmsnorm(x, weight)          # config looked up for this GPU, shape and dtype
     fusetune.load_tables("tables.yaml")      # tables from `fusetune export` (or FUSETUNE_TABLES)
     fusetune.lookup("rmsnorm", {"dim": 4096}, "float16", rows=16)
+    w1q, s1 = fusetune.quantize_fp8(w1)      # FP8 weights + per-channel scales, once per model
 
 Importing fusetune loads the kernels lazily and never imports optuna or sqlalchemy.
 """
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = ["FusetuneWarning", "TableError", "ffn", "load_tables", "lola", "lookup", "qkv",
-           "rmsnorm", "rope"]
+           "quantize_fp8", "rmsnorm", "rope"]
 
 _LAZY = {
     "rmsnorm": ("fusetune.kernels.rmsnorm", "rmsnorm"),
@@ -22,6 +23,7 @@ _LAZY = {
     "lola": ("fusetune.kernels.lola", "lola"),
     "qkv": ("fusetune.kernels.qkv", "qkv"),
     "rope": ("fusetune.kernels.rope", "rope"),
+    "quantize_fp8": ("fusetune.kernels.fp8", "quantize_fp8"),
     "load_tables": ("fusetune.tables", "load_tables"),
     "lookup": ("fusetune.tables", "lookup"),
     "TableError": ("fusetune.tables", "TableError"),
@@ -30,6 +32,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from fusetune.kernels.ffn import ffn
+    from fusetune.kernels.fp8 import quantize_fp8
     from fusetune.kernels.lola import lola
     from fusetune.kernels.qkv import qkv
     from fusetune.kernels.rmsnorm import rmsnorm

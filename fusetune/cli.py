@@ -56,12 +56,12 @@ def gpus() -> None:
     visible = g.visible_gpus()
     t = Table(title="GPU catalogue")
     for col in ("name", "aliases", "device name", "cc", "SMs", "smem/block KB", "regs/block",
-                "GB/s", "fp16 TF/s", "bf16 TF/s", "visible"):
+                "GB/s", "fp16 TF/s", "bf16 TF/s", "FP8 MMA", "visible"):
         t.add_column(col)
     for r in g.format_catalogue(visible):
         t.add_row(str(r["name"]), str(r["aliases"]), str(r["display"]), str(r["cc"]),
                   str(r["sms"]), str(r["smem_kb"]), str(r["regs"]), str(r["bandwidth_gbs"]),
-                  str(r["fp16_tflops"]), str(r["bf16_tflops"]),
+                  str(r["fp16_tflops"]), str(r["bf16_tflops"]), str(r["fp8"]),
                   f"[bold green]{r['visible']}[/]" if r["visible"] else "")
     console.print(t)
     if not visible:
@@ -84,8 +84,12 @@ def _resolve_points(args: PointArgs, target: Target, small: bool
         if model is None and args.dim is None and args.dims_opt is None:
             model = grid["model"]
         dims = parse_dims(spec.dim_names, model, args.dim, args.dims_opt, spec.dims_from_model)
+        dtypes = args.dtype or grid["dtype"]
+        # --weights fp16 / bf16 name the activations' dtype: Point.weights "" (one key for both)
+        weights = ("" if args.weights is None else
+                   {spec.point_weights(args.weights, d) for d in dtypes}.pop())
         req = Request(args.kernel, dims, args.batch or grid["batch"], args.seq or grid["seq"],
-                      args.dtype or grid["dtype"])
+                      dtypes, weights)
         points = make_points(req)
     except (SearchError, SpaceError, ValueError) as e:
         raise click.ClickException(str(e)) from None
@@ -95,9 +99,10 @@ def _resolve_points(args: PointArgs, target: Target, small: bool
     return spec, space, points
 
 
-def _target(backend: str, gpu_name: str | None, dry_run: bool) -> Target:
+def _target(backend: str, gpu_name: str | None, dry_run: bool,
+            devices: str | None = None) -> Target:
     try:
-        target = choose_target(backend, gpu_name, dry_run)
+        target = choose_target(backend, gpu_name, dry_run, devices)
     except (SearchError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     for note in target.notes:
@@ -115,23 +120,36 @@ def _target(backend: str, gpu_name: str | None, dry_run: bool) -> Target:
 @click.option("--dry-run", is_flag=True,
               help="Print the plan (points, space size, configs pruned by the GPU's limits and "
                    "why) without running anything; needs no GPU.")
+@click.option("--devices", default=None, metavar="all|0,1,...",
+              help="Measure on several GPUs of this host at once: 'all' (every visible GPU, or "
+                   "every one of the --gpu model) or device indices. One worker process per "
+                   "device (implies --isolate); the points are shared out as a queue. The "
+                   "devices must be one GPU model.")
 def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
-           dry_run: bool) -> None:
+           dry_run: bool, devices: str | None) -> None:
     """Tune KERNEL at every (batch, seq, dtype) point: one Optuna study per point.
 
     Every evaluated config is stored with its status (ok, infeasible, oor, compile_error,
     runtime_error, wrong_result, crashed) and reason; each point's winner is re-timed beside the
     default heuristic. Interrupt at any time and run the same command again to resume: finished
-    trials are kept and not redone.
+    trials are kept and not redone. With --devices, several GPUs of this host (one model) share
+    the points, a worker process each.
     """
-    target = _target(args.backend, args.gpu_name, dry_run)
+    target = _target(args.backend, args.gpu_name, dry_run, devices)
     spec, space, points = _resolve_points(args, target,
                                           target.backend == "interpreter" and not dry_run)
     if dry_run:
+        if devices is not None:
+            err.print(f"[yellow]note:[/] --devices {devices} is ignored with --dry-run")
         _print_plan(spec, space, points, target, trials)
         return
+    if target.devices:
+        _run_search_on_devices(spec, space, points, target, args.db, trials, time_budget, seed,
+                               args.trial_timeout, _compile_workers(args, target, False))
+        return
     _run_search(spec, space, points, target, args.db, trials, time_budget, seed,
-                args.worker_timeout)
+                args.worker_timeout, compile_workers=_compile_workers(args, target, False),
+                compile_timeout=args.trial_timeout)
 
 
 def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trials: int) -> None:
@@ -145,7 +163,8 @@ def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trial
                   f"{gpu.regs_per_thread} registers per thread, {gpu.max_threads_per_block} "
                   "threads per block.")
     t = Table()
-    console.print(f"Points: dims {points[0].dims_label}; "
+    weights = f", weights {points[0].weights}" if points[0].weights else ""
+    console.print(f"Points: dims {points[0].dims_label}{weights}; "
                   "'distinct' counts configs after merging those that compile to the same kernel.")
     for col in ("batch", "seq", "dtype", "rows", "distinct", "feasible", "pruned",
                 "pruned because", "will try"):
@@ -192,19 +211,50 @@ def _open_store(db: str) -> tuple[Any, Any]:
 
 
 def _open_context(spec: Any, space: Any, target: Target, db: str,
-                  trial_timeout: float | None) -> Any:
-    """What every point of a run shares; configs run in a worker process if `trial_timeout`."""
+                  trial_timeout: float | None, device: str | None = None,
+                  compile_workers: int = 0, compile_timeout: float = 300.0) -> Any:
+    """What every point of a run shares; configs run in a worker process if `trial_timeout`.
+    `device`: one of the target's devices (default: its first). `compile_workers`: processes
+    that compile configs ahead of that device (0: none), each config within `compile_timeout`
+    seconds. Close it with `close()`."""
     import torch
     import triton
 
+    from fusetune.tuner.compile_ahead import CompileAhead
     from fusetune.tuner.study import Context
     from fusetune.tuner.worker import Worker
 
+    device = device or target.device
     store, storage = _open_store(db)
-    worker = (Worker(spec.name, target.backend, target.device, trial_timeout)
+    worker = (Worker(spec.name, target.backend, device, trial_timeout)
               if trial_timeout is not None else None)
-    return Context(spec, space, target.gpu, target.backend, target.device, store, storage,
-                   triton.__version__, torch.__version__, worker)
+    compiler = (CompileAhead(spec.name, device, compile_workers, compile_timeout)
+                if compile_workers > 0 else None)
+    return Context(spec, space, target.gpu, target.backend, device, store, storage,
+                   triton.__version__, torch.__version__, worker, compiler)
+
+
+def _compile_workers(args: PointArgs, target: Target, default_on: bool = True) -> int:
+    """--compile-workers for this target: as given, else the default (`default_on`: the grid;
+    the search compiles ahead only when asked), or 0 where nothing compiles."""
+    from fusetune.tuner.compile_ahead import resolve_workers
+
+    n, note = resolve_workers(args.compile_workers, target.backend,
+                              max(1, len(target.devices)), default_on=default_on)
+    if note:
+        err.print(f"[yellow]note:[/] {note}")
+    return n
+
+
+def _print_compile_time(configs: int, compile_s: float, ahead: int, compiler: Any) -> None:
+    """What compiling cost the evaluating process, and what the compile processes did."""
+    if configs == 0:
+        return
+    line = (f"Compiling and checking in the evaluating process: {compile_s:.1f} s for {configs} "
+            f"configs ({compile_s / configs:.2f} s each)")
+    if compiler is not None:
+        line += f"; {ahead} of them were compiled ahead: {compiler.stats.summary()}"
+    console.print(line)
 
 
 def _progress() -> Any:
@@ -217,15 +267,19 @@ def _progress() -> Any:
 
 def _run_search(spec: Any, space: Any, points: Sequence[Any], target: Any, db: str,
                 trials: int, time_budget: float | None, seed: int,
-                trial_timeout: float | None) -> None:
+                trial_timeout: float | None, compile_workers: int = 0,
+                compile_timeout: float = 300.0) -> None:
     from fusetune.tuner.bench import DeviceLostError
+    from fusetune.tuner.sampling import SEARCH_BATCH
     from fusetune.tuner.study import PointTuner, SearchOptions
 
-    ctx = _open_context(spec, space, target, db, trial_timeout)
-    worker = ctx.worker
+    ctx = _open_context(spec, space, target, db, trial_timeout,
+                        compile_workers=compile_workers, compile_timeout=compile_timeout)
     options = SearchOptions(trials=trials, time_budget_s=time_budget, seed=seed)
     console.print(f"Tuning {spec.name} on {target.gpu.name} ({target.device}, {target.backend}) "
-                  f"into {_shown(db)}: {len(points)} points, up to {trials} configs each.")
+                  f"into {_shown(db)}: {len(points)} points, up to {trials} configs each"
+                  + (f"; {compile_workers} processes compile ahead, {SEARCH_BATCH} configs "
+                     "asked at a time." if compile_workers else "."))
     results = []
     progress = _progress()
     try:
@@ -250,9 +304,75 @@ def _run_search(spec: Any, space: Any, points: Sequence[Any], target: Any, db: s
                   "crashed; run the same command again to continue (or use --isolate).")
         sys.exit(1)
     finally:
-        if worker is not None:
-            worker.close()
+        ctx.close()
     _print_summary(results, target)
+    _print_compile_time(sum(r.n_new for r in results), sum(r.compile_s for r in results),
+                        sum(r.compiled_ahead for r in results), ctx.compiler)
+
+
+class _DeviceProgress:
+    """The progress of a search on several devices: a line per point and device."""
+
+    def __init__(self, progress: Any) -> None:
+        self.progress = progress
+        self.tasks: dict[tuple[str, str], Any] = {}
+
+    def start(self, device: str, point: Any, joined: bool) -> Any:
+        task = self.progress.add_task(f"{device} {point.label}" + (" (joined)" if joined else ""),
+                                      total=None, msg="starting")
+        self.tasks[(device, point.label)] = task
+
+        def update(done: int, total: int, msg: str) -> None:
+            self.progress.update(task, completed=done, total=total, msg=msg)
+
+        return update
+
+    def done(self, device: str, point: Any, result: Any) -> None:
+        task = self.tasks[(device, point.label)]
+        if result is None:
+            self.progress.update(task, msg="done helping")
+        else:
+            self.progress.update(task, completed=result.n_evaluated, total=result.n_evaluated,
+                                 msg=f"done: {_fmt(result.time_us)} µs")
+
+
+def _run_search_on_devices(spec: Any, space: Any, points: Sequence[Any], target: Target,
+                           db: str, trials: int, time_budget: float | None, seed: int,
+                           trial_timeout: float, compile_workers: int = 0) -> None:
+    """`search --devices`: a worker per device (and `compile_workers` compile processes per
+    device), the points shared out between them (tuner/devices.py). The devices run configs
+    in worker processes whatever --isolate says, each within `trial_timeout` seconds."""
+    from fusetune.tuner.devices import DeviceSearch
+    from fusetune.tuner.study import SearchOptions
+
+    options = SearchOptions(trials=trials, time_budget_s=time_budget, seed=seed)
+    contexts: list[Any] = []
+    try:
+        for d in target.devices:
+            contexts.append(_open_context(spec, space, target, db, trial_timeout, d,
+                                          compile_workers=compile_workers,
+                                          compile_timeout=trial_timeout))
+    except BaseException:
+        for ctx in contexts:
+            ctx.close()
+        raise
+    console.print(f"Tuning {spec.name} on {len(contexts)}× {target.gpu.name} "
+                  f"({', '.join(target.devices)}, {target.backend}) into {_shown(db)}: "
+                  f"{len(points)} points, up to {options.trials} configs each, a worker per "
+                  "device.")
+    search = DeviceSearch(contexts, points, options)
+    try:
+        with _progress() as progress:
+            search.display = _DeviceProgress(progress)
+            results = search.run()
+    except KeyboardInterrupt:
+        err.print(f"\n[yellow]interrupted[/]: every finished trial is stored in {_shown(db)}; "
+                  "run the same command again to resume.")
+        sys.exit(130)
+    _print_summary(results, target)
+    console.print("Per device: " + "; ".join(
+        f"{s.device} {s.points} points, joined {s.joined}, {s.evaluated} configs run"
+        for s in search.stats.values()))
 
 
 def _print_summary(results: Sequence[Any], target: Any) -> None:
@@ -284,9 +404,10 @@ def _print_summary(results: Sequence[Any], target: Any) -> None:
 @click.option("--seeds", type=click.IntRange(min=1), default=10, show_default=True,
               help="Replays per strategy (sampler seeds 0..N-1).")
 @click.option("--strategies", callback=str_list, default=None,
-              help="Comma-separated: random, tpe, gp, fusetune (what `fusetune search` does), "
-                   "fusetune-cold (its sampler without the start configs). "
-                   "Default: random,tpe,gp,fusetune.")
+              help="Comma-separated: random, tpe, gp, fusetune (what `fusetune search` does "
+                   "one config at a time), fusetune-batch (what it does with --compile-workers: "
+                   "a few configs asked at a time), fusetune-cold (its sampler without the "
+                   "start configs). Default: random,tpe,gp,fusetune,fusetune-batch.")
 @click.option("--budget", type=click.IntRange(min=1), default=None,
               help="Evaluations per replay. Default: the grid's size (every run can get there).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), default=None,
@@ -407,10 +528,14 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
     from fusetune.tuner.grid import run_grid
     from fusetune.tuner.study import PointTuner, SearchOptions
 
-    ctx = _open_context(spec, space, target, args.db, args.worker_timeout)
+    ctx = _open_context(spec, space, target, args.db, args.worker_timeout,
+                        compile_workers=_compile_workers(args, target),
+                        compile_timeout=args.trial_timeout)
+    n = ctx.compiler.stats.workers if ctx.compiler is not None else 0
     console.print(f"Exhaustive grid of {spec.name} on {target.gpu.name} ({target.device}, "
-                  f"{target.backend}) into {args.db}: {len(points)} points.")
-    rows = []
+                  f"{target.backend}) into {args.db}: {len(points)} points"
+                  + (f"; {n} processes compile ahead." if n else "."))
+    rows, runs = [], []
     try:
         with _progress() as progress:
             for p in points:
@@ -422,8 +547,11 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
                     progress.update(task, completed=done, total=total, msg=msg)
 
                 run = run_grid(tuner, update)
+                runs.append(run)
                 res = run.result
-                progress.update(task, msg=f"{run.timed} timed in {run.wall_s:.0f} s; winner "
+                ahead = f", {run.compiled_ahead} compiled ahead" if ctx.compiler else ""
+                progress.update(task, msg=f"{run.timed} timed in {run.wall_s:.0f} s (compiling "
+                                          f"{run.compile_s:.0f} s{ahead}); winner "
                                           f"{_fmt(res.time_us if res else None, '.2f')} µs")
                 rows.append(ctx.store.point(tuner.point_id))
     except KeyboardInterrupt:
@@ -435,8 +563,9 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
                   "crashed; run the same command again to continue (or use --isolate).")
         sys.exit(1)
     finally:
-        if ctx.worker is not None:
-            ctx.worker.close()
+        ctx.close()
+    _print_compile_time(sum(r.timed for r in runs), sum(r.compile_s for r in runs),
+                        sum(r.compiled_ahead for r in runs), ctx.compiler)
     return rows
 
 
@@ -522,11 +651,14 @@ def _show_point(store: Any, point_id: int, top: int) -> None:
                   f"({p.backend}, Triton {p.triton_version}, torch {p.torch_version}); results: "
                   + " ".join(f"{k}:{v}" for k, v in sorted(counts.items())))
     t = Table(title=f"Fastest {top} correct configs")
-    for col in ("config", "p20 µs", "p50 µs", "p80 µs", "rel err", "compile s", "trial"):
+    for col in ("config", "p20 µs", "p50 µs", "p80 µs", "rel err", "compile s", "regs",
+                "spills", "smem KB", "trial"):
         t.add_column(col)
     for r in store.top_results(p.id, top):
         t.add_row(_config_str(r.config), _fmt(r.p20_us, ".2f"), _fmt(r.time_us, ".2f"),
                   _fmt(r.p80_us, ".2f"), _fmt(r.rel_err, ".1e"), _fmt(r.compile_s, ".2f"),
+                  _fmt(r.n_regs, "d"), _fmt(r.n_spills, "d"),
+                  _fmt(None if r.smem_bytes is None else r.smem_bytes / 1024, ".1f"),
                   "-" if r.trial_number is None else str(r.trial_number))
     console.print(t)
     failures = store.failure_reasons(p.id)

@@ -58,11 +58,13 @@ class PointArgs:
     batch: list[int] | None
     seq: list[int] | None
     dtype: list[str] | None
+    weights: str | None  # --weights as given (checked against the kernel and dtypes later)
     db: str
     backend: str
     space_path: str | None
     isolate: bool
     trial_timeout: float
+    compile_workers: int | None  # None: the default for the backend
 
     @property
     def worker_timeout(self) -> float | None:
@@ -90,6 +92,11 @@ _OPTIONS = (
                       f"{','.join(map(str, DEFAULT_GRID['seq']))}."),
     click.option("--dtype", callback=str_list, default=None,
                  help=f"Activation dtypes. Default: {','.join(DEFAULT_GRID['dtype'])}."),
+    click.option("--weights", default=None,
+                 help="Weight format (ffn, qkv, lola): fp8-e4m3 or fp8-e5m2 (FP8 with a float32 "
+                      "scale per output channel, as from fusetune.quantize_fp8), or fp16 / bf16, "
+                      "the activations' own dtype (the default; weights other than FP8 are read "
+                      "in x's dtype). Part of each point's key and of the exported tables."),
     click.option("--db", default=DEFAULT_DB, show_default=True,
                  help="Database URL for results and Optuna studies (sqlite:///..., "
                       "postgresql://...)."),
@@ -105,6 +112,13 @@ _OPTIONS = (
     click.option("--trial-timeout", type=click.FloatRange(min=1), default=300,
                  show_default=True,
                  help="Seconds one config may take (compile, check and timing) with --isolate."),
+    click.option("--compile-workers", type=click.IntRange(min=0), default=None,
+                 help="Processes that compile configs ahead of the GPU, in parallel, so that "
+                      "the GPU process only loads them from Triton's cache (the search then "
+                      "asks its sampler for a few configs at a time). 0: off. Default: off for "
+                      "`search` (it pays only for long searches: their start-up costs ~10 s), "
+                      "half the CPUs, at most 8, for `evaluate-search`'s grid; off (ignored) on "
+                      "the interpreter."),
 )
 _NAMES = tuple(f.name for f in fields(PointArgs))
 

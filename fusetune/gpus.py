@@ -21,6 +21,7 @@ __all__ = [
     "match_device_name",
     "resolve",
     "select_device",
+    "select_devices",
     "spec_from_device",
     "visible_gpus",
 ]
@@ -50,6 +51,10 @@ class GpuSpec:
     peak_fp16_tflops: float | None
     peak_bf16_tflops: float | None
     known: bool = True
+    # FP8 (e4m3/e5m2) tensor cores, compute capability 8.9+ (Ada, Hopper): where the matmul
+    # kernels can multiply FP8 weights by FP8-quantized activations (ACT_FP8 = 1). Elsewhere
+    # FP8 weights are upcast in registers and the e4m3 type is decoded from its bytes.
+    fp8_tensor_cores: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         bandwidth_gbs=1008.0,
         peak_fp16_tflops=165.2,
         peak_bf16_tflops=165.2,
+        fp8_tensor_cores=True,
         **_COMMON,
     ),
     GpuSpec(
@@ -153,6 +159,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         bandwidth_gbs=300.0,
         peak_fp16_tflops=121.0,
         peak_bf16_tflops=121.0,
+        fp8_tensor_cores=True,
         **_COMMON,
     ),
     GpuSpec(
@@ -168,6 +175,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         bandwidth_gbs=3350.0,
         peak_fp16_tflops=989.0,
         peak_bf16_tflops=989.0,
+        fp8_tensor_cores=True,
         **_COMMON,
     ),
     GpuSpec(
@@ -183,6 +191,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         bandwidth_gbs=2000.0,
         peak_fp16_tflops=756.0,
         peak_bf16_tflops=756.0,
+        fp8_tensor_cores=True,
         **_COMMON,
     ),
     GpuSpec(
@@ -198,6 +207,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         bandwidth_gbs=4800.0,
         peak_fp16_tflops=989.0,
         peak_bf16_tflops=989.0,
+        fp8_tensor_cores=True,
         **_COMMON,
     ),
 )
@@ -215,6 +225,7 @@ INTERPRETER = GpuSpec(
     bandwidth_gbs=None,
     peak_fp16_tflops=None,
     peak_bf16_tflops=None,
+    fp8_tensor_cores=True,  # it emulates every type, FP8 products included
     **_COMMON,
 )
 
@@ -336,6 +347,7 @@ def spec_from_device(index: int) -> GpuSpec:
         peak_fp16_tflops=None,
         peak_bf16_tflops=None,
         known=False,
+        fp8_tensor_cores=(int(props.major), int(props.minor)) >= (8, 9),
     )
 
 
@@ -400,6 +412,71 @@ def select_device(name: str) -> VisibleGpu:
     )
 
 
+def _parse_devices(devices: str) -> list[int] | None:
+    """`all` -> None; "0,1" -> [0, 1] (repeats dropped); ValueError naming the bad value."""
+    text = devices.strip().lower()
+    if text == "all":
+        return None
+    indices: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            raise ValueError(f"--devices {devices!r}: expected 'all' or comma-separated device "
+                             "indices such as 0,1")
+        if int(part) not in indices:
+            indices.append(int(part))
+    return indices
+
+
+def select_devices(devices: str, name: str | None = None,
+                   visible: list[VisibleGpu] | None = None) -> list[VisibleGpu]:
+    """The visible GPUs that ``devices`` names: ``"all"`` or indices such as ``"0,1"``.
+
+    ``all`` is every visible GPU, or with ``name`` every visible GPU of that model. The devices
+    must all be one GPU model (results and tables are per model): GpuNotFoundError names the
+    models otherwise, and the visible devices when an index or ``name`` matches none.
+    ValueError for a malformed ``devices``.
+    """
+    indices = _parse_devices(devices)
+    gpus = visible_gpus() if visible is None else visible
+    spec = None
+    if name is not None:
+        spec = resolve(name)
+        if spec is INTERPRETER:
+            raise GpuNotFoundError("the Triton interpreter is not a CUDA device; --devices "
+                                   "selects CUDA devices")
+    if not gpus:
+        raise GpuNotFoundError(
+            f"--devices {devices}: no CUDA GPU is visible to this process; the interpreter "
+            "backend runs configs on the CPU without --devices")
+    by_index = {gpu.index: gpu for gpu in gpus}
+    if indices is None:
+        chosen = [gpu for gpu in gpus if spec is None or gpu.spec.name == spec.name]
+        if not chosen:
+            assert spec is not None
+            raise GpuNotFoundError(f"--devices all --gpu {name}: no visible {spec.name} "
+                                   f"({spec.display}); visible GPUs: {_describe(gpus)}")
+    else:
+        missing = [i for i in indices if i not in by_index]
+        if missing:
+            raise GpuNotFoundError(
+                f"--devices {devices}: device{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} not visible; visible GPUs: {_describe(gpus)}")
+        chosen = [by_index[i] for i in indices]
+        if spec is not None:
+            other = [gpu for gpu in chosen if gpu.spec.name != spec.name]
+            if other:
+                raise GpuNotFoundError(
+                    f"--devices {devices} --gpu {name}: not {spec.name}: {_describe(other)}")
+    models = {gpu.spec.name for gpu in chosen}
+    if len(models) > 1:
+        raise GpuNotFoundError(
+            f"--devices {devices} selects different GPU models ({', '.join(sorted(models))}): "
+            f"{_describe(chosen)}. Results and tables are per GPU model, so one search tunes "
+            "one model: give the indices of one model, or --gpu NAME --devices all")
+    return chosen
+
+
 def _num(value: float | None, fmt: str = "g") -> str:
     return "?" if value is None else format(value, fmt)
 
@@ -417,6 +494,7 @@ def _row(spec: GpuSpec, visible: str) -> dict[str, object]:
         "bandwidth_gbs": _num(spec.bandwidth_gbs),
         "fp16_tflops": _num(spec.peak_fp16_tflops),
         "bf16_tflops": _num(spec.peak_bf16_tflops),
+        "fp8": "yes" if spec.fp8_tensor_cores else "",
         "visible": visible,
         "known": spec.known,
     }

@@ -87,6 +87,11 @@ def _entry(raw: Any, where: str, spec: Any, gpu: str) -> tuple[GroupKey, int, Co
     weights = raw.get("weights", "") or ""
     if not isinstance(weights, str):
         raise TableError(f"{where}: weights={weights!r} must be a string")
+    if weights and weights not in spec.weight_formats:
+        valid = (f"one of {', '.join(spec.weight_formats)}, or left out (weights in the "
+                 "activations' dtype)" if spec.weight_formats
+                 else f"left out ({spec.name} has no weights)")
+        raise TableError(f"{where}: weights {weights!r}: expected {valid}")
     for k in ("time_us", "default_us"):
         v = raw.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):

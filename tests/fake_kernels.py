@@ -1,21 +1,35 @@
 """A kernel spec whose configs misbehave on purpose, for the worker and tuner tests.
 
 MODE 1 is right, 2 kills its process (as a segfault would), 3 hangs, 4 raises, 5 computes the
-wrong result, 6 reports a lost CUDA context. It runs plain torch on the CPU (no Triton)."""
+wrong result, 6 reports a lost CUDA context. It runs plain torch on the CPU (no Triton; fake_jit
+adds a MODE that launches Triton kernels). With LOG_ENV set, launches are logged to that file.
+
+`fake_compiler` stands in for the compile step of the compile-ahead processes."""
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
 
 from fusetune.kernels._spec import Config, Cost, KernelSpec, Point, Resources, Tensors
+from fusetune.tuner.space import config_key
 
 MODES = {1: "ok", 2: "crash", 3: "hang", 4: "raise", 5: "wrong", 6: "device lost"}
+LOG_ENV = "FUSETUNE_TEST_LOG"  # a file the fakes append lines to, in any process
+
+
+def log(line: str) -> None:
+    path = os.environ.get(LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{line} pid={os.getpid()} t={time.monotonic():.3f}\n")
 
 
 def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
+    log(f"run {config_key(config)}")
     mode = config["MODE"]
     if mode == 2:
         os._exit(139)  # what a segfault looks like from the parent
@@ -49,3 +63,24 @@ SPEC = KernelSpec(
 
 def point() -> Point:
     return Point.make("fake", {"dim": 16}, 1, 4, "float32")
+
+
+def fake_compiler(spec: KernelSpec, point: Point, device: str) -> Any:
+    """A compile step for CompileAhead: logs its start and end; the config's MODE decides what
+    it does (2 kills the process, 3 hangs, 4 raises, others take SLEEP_MS milliseconds)."""
+    log(f"inputs {point.label}")
+
+    def compile_config(config: Config) -> None:
+        key = config_key(config)
+        log(f"start {key}")
+        mode = config["MODE"]
+        if mode == 2:
+            os._exit(139)
+        if mode == 3:
+            time.sleep(3600)
+        if mode == 4:
+            raise RuntimeError("planted compile error")
+        time.sleep(config.get("SLEEP_MS", 0) / 1000)
+        log(f"end {key}")
+
+    return compile_config

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import optuna
 import pytest
 from click.testing import CliRunner, Result
 from rich.console import Console
@@ -129,7 +130,8 @@ def test_random_needs_n_plus_1_over_k_plus_1_and_pruned_configs_are_free() -> No
         assert r.best_us == 1.0
 
 
-@pytest.mark.parametrize("name", ["random", "tpe", "fusetune", "fusetune-cold", "gp"])
+@pytest.mark.parametrize("name", ["random", "tpe", "fusetune", "fusetune-cold", "fusetune-batch",
+                                  "gp"])
 def test_every_strategy_reaches_the_known_optimum(name: str) -> None:
     if name == "gp" and not HAS_SCIPY:
         pytest.skip("GPSampler needs scipy")
@@ -143,6 +145,29 @@ def test_every_strategy_reaches_the_known_optimum(name: str) -> None:
         assert r2 is not None and r10 <= r5 <= r2 == run.evaluations <= grid.size, run
         assert run.best_us <= 10.0 * 1.02
         assert len(run.order) == len(set(run.order)) == run.evaluations
+
+
+def test_a_batch_holds_distinct_configs_and_repeats_in_it_fail() -> None:
+    # 4 configs: a batch of 3 asks until it has 3 distinct ones; a proposal of one already in
+    # the batch fails (it has no value yet) and is not evaluated twice
+    spec = synth_spec()
+    space = synth_space((1, 2), (1, 2), (4,))
+    plan = make_plan(space, spec, POINT, gpus.INTERPRETER)
+    study = optuna.create_study(sampler=STRATEGIES["fusetune-batch"].sampler(0, 4))
+    known: dict[str, float] = {}
+    proposer = Proposer(study, space, spec, POINT, plan, known.get, random.Random(0), 100)
+    first = proposer.next_batch(3)
+    assert len(first) == 3 and len({p.key for p in first}) == 3
+    for p in first:
+        known[p.key] = 1.0
+        study.tell(p.trial, 1.0)
+    rest = proposer.next_batch(3)  # one config is left
+    assert [p.key for p in rest] == [k for k in map(config_key, plan.feasible) if k not in known]
+    failed = study.get_trials(states=(optuna.trial.TrialState.FAIL,))
+    assert failed and all(t.user_attrs["status"] == "repeat" for t in failed)
+    known[rest[0].key] = 1.0
+    study.tell(rest[0].trial, 1.0)
+    assert proposer.next_batch(2) == []  # nothing new left: the asks run out
 
 
 def test_guided_samplers_beat_random_on_a_smooth_landscape() -> None:

@@ -73,6 +73,16 @@ class ResultRow(Base):
     rel_err: Mapped[float | None] = mapped_column(Float, nullable=True)
     compile_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     trial_number: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The device that evaluated it ("cuda:1", "cpu"; None: pruned, never run). Added after the
+    # first release: see store._ADDED_COLUMNS.
+    device: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # The config's compiled kernels, as the CUDA driver reports them (None: unknown, e.g. under
+    # the interpreter or for a config that failed before loading): registers per thread and
+    # shared memory per program of the kernel that uses the most, spilled registers of all its
+    # kernels together. Added after the first release: see store._ADDED_COLUMNS.
+    n_regs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    n_spills: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    smem_bytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     point: Mapped[PointRow] = relationship(back_populates="results")

@@ -135,12 +135,24 @@ def schema_lock(url: str) -> Iterator[None]:
         engine.dispose()
 
 
+# Columns added to the models after their table was first made: (table, column, SQL type), all
+# nullable. Databases made before get them from `_upgrade`.
+_ADDED_COLUMNS = (
+    ("ft_running", "config_key", "VARCHAR(512)"),
+    ("ft_results", "device", "VARCHAR(32)"),
+    ("ft_results", "n_regs", "INTEGER"),
+    ("ft_results", "n_spills", "INTEGER"),
+    ("ft_results", "smem_bytes", "INTEGER"),
+)
+
+
 def _upgrade(conn: Connection) -> None:
     """Brings tables made by an earlier fusetune up to the models (create_all adds only the
-    missing tables): ft_running's config column and its unique index."""
-    columns = {c["name"] for c in inspect(conn).get_columns("ft_running")}
-    if "config_key" not in columns:
-        conn.execute(text("ALTER TABLE ft_running ADD COLUMN config_key VARCHAR(512)"))
+    missing tables): the columns of `_ADDED_COLUMNS` and ft_running's unique config index."""
+    inspector = inspect(conn)
+    for table, column, sql_type in _ADDED_COLUMNS:
+        if column not in {c["name"] for c in inspector.get_columns(table)}:
+            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {sql_type}"))
     for index in RunningRow.__table__.indexes:
         index.create(conn, checkfirst=True)
 
@@ -204,8 +216,12 @@ class Store:
     def record(self, point_id: int, config_key: str, config: Mapping[str, int], status: str,
                reason: str = "", *, time_us: float | None = None, p20_us: float | None = None,
                p80_us: float | None = None, rel_err: float | None = None,
-               compile_s: float | None = None, trial_number: int | None = None) -> ResultRow:
+               compile_s: float | None = None, trial_number: int | None = None,
+               device: str | None = None, n_regs: int | None = None,
+               n_spills: int | None = None, smem_bytes: int | None = None) -> ResultRow:
         """Stores one result; if that config already has one, keeps and returns the stored one.
+        `device`: where it was evaluated (None for a config pruned without running). `n_regs`,
+        `n_spills`, `smem_bytes`: of its compiled kernels (see ResultRow), where known.
 
         Two searches recording the same config at once: the unique (point, config) constraint
         lets one insert through, the other reads that row back."""
@@ -213,7 +229,8 @@ class Store:
                         # PostgreSQL's text cannot hold NUL (a crashed process's output may)
                         status=status, reason=reason.replace("\x00", ""), time_us=time_us,
                         p20_us=p20_us, p80_us=p80_us, rel_err=rel_err, compile_s=compile_s,
-                        trial_number=trial_number)
+                        trial_number=trial_number, device=device, n_regs=n_regs,
+                        n_spills=n_spills, smem_bytes=smem_bytes)
         with self.session() as s:
             s.add(row)
             try:

@@ -13,8 +13,10 @@ from fusetune.kernels._spec import Config, Point, Resources, check_fits, next_po
 
 # The tunables every matmul kernel has (the YAML spaces and tables name exactly these), and
 # the tolerance its output is checked with (float32 accumulation of fp16/bf16 products).
+# ACT_FP8 (0/1, see fp8.py) may be left out of a config: tables written before it mean 0.
 MATMUL_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K",
-                      "num_warps", "num_stages")
+                      "ACT_FP8", "num_warps", "num_stages")
+MATMUL_FLAGS = {"ACT_FP8": 0}
 MATMUL_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
 MATMUL_TOLERANCE = {"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
 
@@ -50,14 +52,148 @@ def partial_ptrs(WS, slot, rows, cols, n_rows, n_cols):
 
 
 @triton.jit
+def mma_weight(w, x, W_FP8: tl.constexpr):
+    """The weight tile w as loaded, made tl.dot's partner of the activation tile x. W_FP8 (the
+    values are fp8.W_*): 0: as loaded (x's type, or FP8 beside FP8 activations); 1: an FP8 type,
+    upcast; 2: e4m3 read as bytes; 3: e5m2 read as bytes. FP8 values are exact in float16 and
+    in x's type, so the product sees exactly the stored weights."""
+    if W_FP8 == 1:
+        w = w.to(tl.float16).to(x.dtype)
+    elif W_FP8 == 2:
+        # e4m3 byte s.eeee.mmm -> float16 bits s.0eeee.mmm0000000: float16 reads that exponent
+        # with bias 15 instead of 7, hence the exact × 2^8. e4m3's subnormals (eeee = 0) land
+        # on float16's subnormals and come out right too.
+        # (The integer constants may widen the result: back to 16 bits before the bitcast.)
+        b = w.to(tl.uint16)
+        h = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.uint16)
+        w = (h.to(tl.float16, bitcast=True) * 256.0).to(x.dtype)
+    elif W_FP8 == 3:
+        # An e5m2 byte is the high byte of the float16 of the same value.
+        h = (w.to(tl.uint16) << 8).to(tl.uint16)
+        w = h.to(tl.float16, bitcast=True).to(x.dtype)
+    return w
+
+
+@triton.jit
+def scale_product(acc, SX, rows, rows_ok, SW, cols, cols_ok, ACT_FP8: tl.constexpr,
+                  W_SCALED: tl.constexpr):
+    """acc [rows, cols] (float32, after the K loop and the split-K sums) times the activations'
+    row scales SX[rows] (ACT_FP8: x was quantized per row) and the weights' per-output-channel
+    scales SW[cols] (W_SCALED); before any nonlinearity, RoPE or bias."""
+    if ACT_FP8:
+        acc = acc * tl.load(SX + rows, mask=rows_ok, other=1.0)[:, None]
+    if W_SCALED:
+        acc = acc * tl.load(SW + cols, mask=cols_ok, other=1.0)[None, :]
+    return acc
+
+
+@triton.jit
 def two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, PASSES: tl.constexpr, IEEE: tl.constexpr):
-    """x·Waᵀ and x·Wbᵀ over this program's K-slice for the rows rm of X [M, K] (row stride
-    stride_xm). wa_rows / wb_rows [1, BLOCK_N] are the element offsets (int64) of the weight
-    rows in WA / WB, read transposed as [BLOCK_K, BLOCK_N] tiles (w_ok: which of the rows
-    exist). With PASSES == 1 x is scaled by the RMSNorm weight G on the way and the rows' sums
-    of x² come back too (zeros otherwise)."""
+                 SPLIT_K: tl.constexpr, PASSES: tl.constexpr, IEEE: tl.constexpr,
+                 W_FP8: tl.constexpr):
+    """x·Waᵀ and x·Wbᵀ for the rows rm of X over this program's K-slice: the tensor-core loop
+    (mma_two_products), or with BLOCK_M = 1 the one-row loop (gemv_two_products). Returns
+    [BLOCK_M, BLOCK_N], [BLOCK_M, BLOCK_N] and the rows' sums of x² [BLOCK_M]."""
+    if BLOCK_M == 1:
+        acc_a, acc_b, sumsq = gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok,
+                                                K, stride_xm, BLOCK_N, BLOCK_K, SPLIT_K, PASSES,
+                                                W_FP8)
+    else:
+        acc_a, acc_b, sumsq = mma_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok,
+                                               K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+                                               PASSES, IEEE, W_FP8)
+    return acc_a, acc_b, sumsq
+
+
+@triton.jit
+def gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      PASSES: tl.constexpr, W_FP8: tl.constexpr):
+    """two_products for one row per program (BLOCK_M = 1), without tensor cores: at decode
+    sizes a 16-row tl.dot pads the row with zero rows and moves every tile through shared
+    memory; here the weight tiles go from memory straight to registers as wide vectors and
+    are multiplied with the row in float32 (a GEMV).
+
+    rm has one element. Weight tiles are read as [BLOCK_K, BLOCK_N] (a weight row is
+    contiguous in K, the tile's first axis, so the loads vectorize along it); the products
+    accumulate element-wise in float32 [BLOCK_K, BLOCK_N] tiles that are summed over K once,
+    after the loop. With PASSES == 1 the row is scaled by G in float32 (not rounded back to
+    x's type as for the tensor cores) and its sum of squares comes back too."""
+    k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
+    rk = tl.arange(0, BLOCK_K)
+    # [1] + [BLOCK_K] broadcasts to the BLOCK_K addresses of the row.
+    x_ptrs = X + rm.to(tl.int64) * stride_xm + (k_begin + rk)
+    wa_ptrs = WA + (wa_rows + (k_begin + rk)[:, None])
+    wb_ptrs = WB + (wb_rows + (k_begin + rk)[:, None])
+    acc_a = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_ok = rk < k_end - k0  # the last K-step may be partial: masked lanes read 0
+        x = tl.load(x_ptrs, mask=k_ok & m_ok, other=0.0)
+        w_mask = k_ok[:, None] & w_ok[None, :]
+        # FP8 weights are converted exactly (mma_weight), then everything is float32.
+        wa = mma_weight(tl.load(wa_ptrs, mask=w_mask, other=0.0), x, W_FP8).to(tl.float32)
+        wb = mma_weight(tl.load(wb_ptrs, mask=w_mask, other=0.0), x, W_FP8).to(tl.float32)
+        xf = x.to(tl.float32)
+        if PASSES == 1:
+            g = tl.load(G + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+            sq += xf * xf
+            xf = xf * g
+        acc_a += wa * xf[:, None]
+        acc_b += wb * xf[:, None]
+        x_ptrs += BLOCK_K
+        wa_ptrs += BLOCK_K
+        wb_ptrs += BLOCK_K
+    sumsq = tl.zeros([1], dtype=tl.float32) + tl.sum(sq, axis=0)
+    return tl.sum(acc_a, axis=0)[None, :], tl.sum(acc_b, axis=0)[None, :], sumsq
+
+
+@triton.jit
+def gemv_one_product(X, W, w_rows, rm, m_ok, w_ok, K, stride_xm, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PASSES: tl.constexpr,
+                     W_FP8: tl.constexpr):
+    """x·Wᵀ for one row rm [1] of X over this program's K-slice, as gemv_two_products does it,
+    for a LayerNorm folded into the loop (PASSES == 1): returns the product [1, BLOCK_N], the
+    row's Σx and Σx² [1] and the weight rows' Σw [BLOCK_N] (zeros with PASSES == 2)."""
+    k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rm.to(tl.int64) * stride_xm + (k_begin + rk)  # [1] + [BLOCK_K]
+    w_ptrs = W + (w_rows + (k_begin + rk)[:, None])  # [BLOCK_K, BLOCK_N], K contiguous
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    w_sum = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    x_sum = tl.zeros([BLOCK_K], dtype=tl.float32)
+    x_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_ok = rk < k_end - k0  # the last K-step may be partial: masked lanes read 0
+        x = tl.load(x_ptrs, mask=k_ok & m_ok, other=0.0)
+        w = mma_weight(tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0), x,
+                       W_FP8).to(tl.float32)
+        xf = x.to(tl.float32)
+        if PASSES == 1:
+            x_sum += xf
+            x_sq += xf * xf
+            w_sum += w
+        acc += w * xf[:, None]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    one = tl.zeros([1], dtype=tl.float32)
+    return (tl.sum(acc, axis=0)[None, :], one + tl.sum(x_sum, axis=0),
+            one + tl.sum(x_sq, axis=0), tl.sum(w_sum, axis=0))
+
+
+@triton.jit
+def mma_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_K: tl.constexpr, PASSES: tl.constexpr, IEEE: tl.constexpr,
+                     W_FP8: tl.constexpr):
+    """two_products with the tensor cores: x·Waᵀ and x·Wbᵀ over this program's K-slice for the
+    rows rm of X [M, K] (row stride stride_xm). wa_rows / wb_rows [1, BLOCK_N] are the element
+    offsets (int64) of the weight rows in WA / WB, read transposed as [BLOCK_K, BLOCK_N] tiles
+    (w_ok: which of the rows exist) and converted as W_FP8 says (mma_weight). With PASSES == 1
+    x is scaled by the RMSNorm weight G on the way and the rows' sums of x² come back too
+    (zeros otherwise)."""
     k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + (k_begin + rk)[None, :]
@@ -71,12 +207,15 @@ def two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         wa = tl.load(wa_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
         wb = tl.load(wb_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+        wa = mma_weight(wa, x, W_FP8)  # FP8 weights: upcast to x's type, or kept as FP8
+        wb = mma_weight(wb, x, W_FP8)
         if PASSES == 1:
             g = tl.load(G + k0 + rk, mask=k_ok, other=0.0)
             x, x_sumsq = rms_scaled(x, g)
             sumsq += x_sumsq
-        # With PASSES == 2 the tiles go from memory to the tensor cores untouched, which lets
-        # the compiler keep the asynchronous load/MMA pipeline that large M needs.
+        # With PASSES == 2 the tiles go from memory to the tensor cores untouched (but for the
+        # upcast of FP8 weights), which lets the compiler keep the asynchronous load/MMA
+        # pipeline that large M needs.
         acc_a = dot(x, wa, acc_a, IEEE)
         acc_b = dot(x, wb, acc_b, IEEE)
         x_ptrs += BLOCK_K
@@ -141,7 +280,10 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
     norm folded in and K split for decode, 128x128 after a separate norm pass (PASSES = 2) for
     prefill; then fewer stages (and smaller tiles) until `gpu` can hold the config."""
     m = point.rows
-    if m <= 16:
+    if m == 1:  # one row: the GEMV structure (gemv_two_products)
+        c = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
+             "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
+    elif m <= 16:
         c = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "PASSES": 1,
              "SPLIT_K": 1, "num_warps": 4, "num_stages": 4}
     elif m <= 128:
@@ -150,6 +292,9 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
     else:
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2,
              "SPLIT_K": 1, "num_warps": 8, "num_stages": 3}
+    # FP8 weights: upcast in registers (ACT_FP8 = 0), what every GPU can run; the search
+    # decides where multiplying FP8 by FP8 is faster.
+    c["ACT_FP8"] = 0
     if m <= 16:
         # Decode streams the weights once: split K until there are about four programs per SM,
         # so that every SM keeps loads in flight to the end.
@@ -175,6 +320,14 @@ def collapse_tiles(config: Config, rows: int, n: int, k: int) -> Config:
     number of BLOCK_K steps would be empty."""
     c = dict(config)
     c["BLOCK_M"] = min(c["BLOCK_M"], max(16, next_pow2(rows)))
+    if c["BLOCK_M"] == 1:
+        # The GEMV loop has no software pipeline (num_stages changes nothing) and no tensor
+        # cores to feed FP8 activations to.
+        c["num_stages"] = 1
+        if "ACT_FP8" in c:
+            c["ACT_FP8"] = 0
+    else:
+        c["BLOCK_N"] = max(c["BLOCK_N"], 16)  # tl.dot needs 16 columns
     c["BLOCK_N"] = min(c["BLOCK_N"], max(16, next_pow2(n)))
     c["BLOCK_K"] = min(c["BLOCK_K"], max(16, next_pow2(k)))
     if -(-rows // c["BLOCK_M"]) == 1:
@@ -185,7 +338,25 @@ def collapse_tiles(config: Config, rows: int, n: int, k: int) -> Config:
     return c
 
 
-def pipelined_smem(config: Config, elt: int, n_weights: int, epilogue: bool) -> int:
+GEMV_MAX_ROWS = 16  # BLOCK_M = 1 reads the weights once per row: beyond this, never faster
+
+
+def gemv_resources(config: Config, rows: int, w_bytes: int, n_weights: int) -> Resources:
+    """Resources of a BLOCK_M = 1 config (gemv_two_products): float32 accumulators of
+    n_weights [BLOCK_K, BLOCK_N] tiles plus the loaded tiles (w_bytes per element) in registers;
+    shared memory only for the final cross-warp sums (<= 4·BLOCK_K bytes on sm_90)."""
+    bn, bk = config["BLOCK_N"], config["BLOCK_K"]
+    threads = 32 * config["num_warps"]
+    regs = (n_weights * bk * bn * (4 + w_bytes) // 4 + bk) // threads + 32
+    unfit = ""
+    if rows > GEMV_MAX_ROWS:
+        unfit = (f"structure: BLOCK_M=1 (one row per program) re-reads the weights for each of "
+                 f"the {rows} rows; it is for <= {GEMV_MAX_ROWS} rows")
+    return Resources(smem_bytes=4 * bk, regs_per_thread=regs, threads=threads, unfit=unfit)
+
+
+def pipelined_smem(config: Config, elt: int, n_weights: int, epilogue: bool,
+                   operands: tuple[int, int, bool] | None = None) -> int:
     """Shared memory of a K loop over an x tile and `n_weights` weight tiles.
 
     Software pipelining keeps (num_stages - 1) sets of tiles; with `epilogue` the compiler
@@ -194,15 +365,24 @@ def pipelined_smem(config: Config, elt: int, n_weights: int, epilogue: bool) -> 
     sm_90 (tests/kernels/test_ffn.py, test_lola.py). float32 operands are laid out
     differently: num_stages sets, no epilogue term. With PASSES = 2 (operands not modified in
     registers) Hopper keeps num_stages sets.
+
+    `operands` (fp8.operand_bytes): bytes per x and per weight element in the pipelined tiles
+    (1 for FP8) and whether the weight tiles are converted in registers; then the weights count
+    as modified operands and, where Hopper's wgmma would read them (BLOCK_M >= 64), the
+    converted tiles (x's type) are staged in shared memory once more, since wgmma reads its
+    second operand from there. Default: both in the activations' type (`elt`), untouched.
     """
+    x_elt, w_elt, converted = operands or (elt, elt, False)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     stages = config["num_stages"]
-    tile = (bm * bk + n_weights * bk * bn) * elt
+    tile = bm * bk * x_elt + n_weights * bk * bn * w_elt
+    wgmma = bm >= 64 and config["num_warps"] >= 4
+    staged = n_weights * bk * bn * elt if converted and wgmma else 0
     if elt == 4:
-        return stages * tile
+        return stages * tile + staged
     out_tile = bm * bn * elt if epilogue else 0
-    folded = (stages - 1) * tile + out_tile + 1024
-    if config.get("PASSES", 1) == 2 and bm >= 64 and config["num_warps"] >= 4:
+    folded = (stages - 1) * tile + out_tile + 1024 + staged
+    if config.get("PASSES", 1) == 2 and wgmma and not converted:
         # Untouched operands go to the tensor cores straight from shared memory: with wgmma
         # (Hopper, BLOCK_M >= 64) the compiler then keeps num_stages full sets of tiles.
         return max(folded, stages * tile)
@@ -210,5 +390,6 @@ def pipelined_smem(config: Config, elt: int, n_weights: int, epilogue: bool) -> 
 
 
 # The jit helpers a kernel built on two_products compiles in: part of its source hash.
-TWO_PRODUCT_SOURCES = (grouped_tile, k_slice, partial_ptrs, two_products, two_partials_added,
-                       store_two_partials, dot, rms_scaled)
+TWO_PRODUCT_SOURCES = (grouped_tile, k_slice, partial_ptrs, two_products, mma_two_products,
+                       gemv_two_products, two_partials_added, store_two_partials, dot,
+                       rms_scaled, mma_weight, scale_product)

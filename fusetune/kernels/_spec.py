@@ -25,6 +25,14 @@ Tensors = dict[str, Any]
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 
+# Weight formats a point can have besides "" (weights in the activations' dtype): FP8 with one
+# float32 scale per output channel (fusetune.quantize_fp8).
+WEIGHT_FORMATS: tuple[str, ...] = ("fp8-e4m3", "fp8-e5m2")
+# What `fusetune search --weights` accepts: the FP8 formats, or the 16-bit type of the
+# activations (the kernels read other weights in x's dtype), which means Point.weights "".
+WEIGHT_CHOICES: tuple[str, ...] = (*WEIGHT_FORMATS, "fp16", "bf16")
+_SIXTEEN_BIT = {"fp16": "float16", "bf16": "bfloat16"}
+
 
 class ConfigError(ValueError):
     """A launch configuration that does not fit the kernel (unknown key, bad value)."""
@@ -70,6 +78,21 @@ class Point:
         return f"{self.kernel} {self.dims_label} b={self.batch} s={self.seq} {self.dtype}{w}"
 
 
+def point_weights(fmt: str, dtype: str) -> str:
+    """`Point.weights` for the weight format `fmt` (one of WEIGHT_CHOICES) at activation dtype
+    `dtype`: the FP8 formats as they are; "fp16"/"bf16" only with float16/bfloat16 activations,
+    as "" (weights in the activations' dtype: one key for both spellings)."""
+    if fmt in WEIGHT_FORMATS:
+        return fmt
+    if fmt not in _SIXTEEN_BIT:
+        raise ValueError(f"unknown weight format {fmt!r}; valid: {', '.join(WEIGHT_CHOICES)}")
+    if _SIXTEEN_BIT[fmt] != dtype:
+        raise ValueError(f"weights {fmt} with {dtype} activations: weights other than FP8 are "
+                         f"read in the activations' dtype; use {fmt} with "
+                         f"{_SIXTEEN_BIT[fmt]} only, or one of {', '.join(WEIGHT_FORMATS)}")
+    return ""
+
+
 @dataclass(frozen=True)
 class Resources:
     """Predicted per-program resources of a compiled config (for pruning before compiling)."""
@@ -77,6 +100,8 @@ class Resources:
     smem_bytes: int
     regs_per_thread: int
     threads: int
+    fp8_mma: bool = False  # tl.dot on FP8 operands: needs FP8 tensor cores
+    unfit: str = ""  # why the config's structure cannot serve the point at all ("name: ...")
 
 
 @dataclass(frozen=True)
@@ -109,6 +134,11 @@ class KernelSpec:
     - `cost(point)`: bytes and flops of the roofline floor.
     - `canonical(config, point)`: maps configs that compile to the same kernel onto one.
     - `dims_from_model(preset)`: this kernel's dims for a model preset.
+    - `flags`: config keys whose value is 0 or 1, with the value a config that leaves them out
+      means (tables and configs written before the key existed stay valid).
+    - `weight_formats`: the Point.weights values besides "" that `make_inputs` can build.
+    - `config_tolerance(point, config)`: the tolerance of one config where it depends on more
+      than the dtype (FP8 activations); None to use `tolerance`.
     """
 
     name: str
@@ -130,6 +160,29 @@ class KernelSpec:
         default_factory=lambda: {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
     )
     source_objects: tuple[Any, ...] = ()
+    flags: Mapping[str, int] = field(default_factory=dict)
+    weight_formats: tuple[str, ...] = ()
+    config_tolerance: Callable[[Point, Config], float | None] | None = None
+
+    def point_weights(self, fmt: str, dtype: str) -> str:
+        """Point.weights for weights in format `fmt` (one of WEIGHT_CHOICES) with `dtype`
+        activations (see `point_weights`); ValueError where this kernel cannot take them."""
+        if not self.weight_formats:
+            raise ValueError(f"weights {fmt!r}: {self.name} has no weights (a weight format "
+                             "applies to the matmul kernels ffn, qkv and lola)")
+        key = point_weights(fmt, dtype)
+        if key and key not in self.weight_formats:
+            raise ValueError(f"weights {fmt!r}: {self.name} takes "
+                             f"{', '.join(self.weight_formats)} or the activations' dtype")
+        return key
+
+    def tolerance_for(self, point: Point, config: Mapping[str, int] | None = None) -> float:
+        """‖out − ref‖ / ‖ref‖ allowed for `config` at `point`."""
+        if self.config_tolerance is not None and config is not None:
+            tol = self.config_tolerance(point, dict(config))
+            if tol is not None:
+                return tol
+        return self.tolerance[point.dtype]
 
     @property
     def source_hash(self) -> str:
@@ -147,7 +200,7 @@ class KernelSpec:
                 f"{where}: expected a mapping of {', '.join(self.config_keys)}, "
                 f"got {type(config).__name__}"
             )
-        missing = [k for k in self.config_keys if k not in config]
+        missing = [k for k in self.config_keys if k not in config and k not in self.flags]
         unknown = [k for k in config if k not in self.config_keys]
         if missing or unknown:
             parts = []
@@ -155,13 +208,20 @@ class KernelSpec:
                 parts.append(f"missing {', '.join(missing)}")
             if unknown:
                 parts.append(f"unknown {', '.join(map(str, unknown))}")
+            optional = (f"; {', '.join(f'{k} (default {v})' for k, v in self.flags.items())} "
+                        "may be left out" if self.flags else "")
             raise ConfigError(
                 f"{where}: {'; '.join(parts)} (a {self.name} config has exactly "
-                f"{', '.join(self.config_keys)})"
+                f"{', '.join(self.config_keys)}{optional})"
             )
         out: Config = {}
         for k in self.config_keys:
-            v = config[k]
+            v = config.get(k, self.flags.get(k))
+            if k in self.flags:
+                if isinstance(v, bool) or v not in (0, 1):
+                    raise ConfigError(f"{where}: {k}={v!r} must be 0 or 1")
+                out[k] = v
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{where}: {k}={v!r} must be a positive integer")
             if k in self.pow2_keys and v & (v - 1):
@@ -173,8 +233,15 @@ class KernelSpec:
 def check_fits(res: Resources, gpu: GpuSpec) -> str | None:
     """Why a config cannot run well on `gpu` (None if it fits), from the predicted resources.
 
-    The reason starts with the limit's name (threads, shared-memory, registers) for counting.
+    The reason starts with the limit's name (fp8-tensor-cores, threads, shared-memory, registers)
+    for counting.
     """
+    if res.unfit:
+        return res.unfit
+    if res.fp8_mma and not gpu.fp8_tensor_cores:
+        major, minor = gpu.compute_capability
+        return (f"fp8-tensor-cores: ACT_FP8=1 needs FP8 tensor cores (compute capability 8.9+), "
+                f"{gpu.name} has {major}.{minor}")
     if res.threads > gpu.max_threads_per_block:
         return f"threads: {res.threads} > {gpu.max_threads_per_block} per block"
     if res.smem_bytes > gpu.smem_per_block:

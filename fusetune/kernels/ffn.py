@@ -4,10 +4,13 @@ a = rmsnorm(x)·W1ᵀ and b = rmsnorm(x)·W3ᵀ, in one pass over x.
 RMSNorm folds into the matmul: rmsnorm(x)·Wᵀ = rstd ⊙ ((x ⊙ g)·Wᵀ), with rstd = rsqrt(mean(x²)+eps)
 per row. Each program accumulates (x ⊙ g)·W1ᵀ and (x ⊙ g)·W3ᵀ for one [BLOCK_M, BLOCK_N] tile
 and the row sums of x² on the way (x is read once for both products); the epilogue scales by
-rstd and applies silu(a)·b in float32. Weights use nn.Linear's layout [hidden, dim].
+rstd and applies silu(a)·b in float32. Weights use nn.Linear's layout [hidden, dim], in x's
+dtype or in FP8 with per-output-channel scales (fp8.py): the scales multiply a and b in the
+epilogue, before silu.
 
 Tunables (search_spaces/ffn.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (programs that share
-weight tiles are launched together for L2 reuse), num_warps, num_stages.
+weight tiles are launched together for L2 reuse), PASSES, SPLIT_K, ACT_FP8, num_warps,
+num_stages.
 """
 
 from __future__ import annotations
@@ -19,21 +22,26 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
+from fusetune.kernels import fp8
 from fusetune.kernels._matmul import (
     MATMUL_CONFIG_KEYS,
+    MATMUL_FLAGS,
     MATMUL_POW2_KEYS,
     MATMUL_TOLERANCE,
     TWO_PRODUCT_SOURCES,
     collapse_tiles,
     default_tiles,
+    gemv_resources,
     grouped_tile,
     pipelined_smem,
+    scale_product,
     store_two_partials,
     two_partials_added,
     two_products,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
+    WEIGHT_FORMATS,
     Config,
     Cost,
     KernelSpec,
@@ -51,13 +59,15 @@ from fusetune.models import ModelPreset
 
 @triton.jit
 def _ffn_kernel(
-    X,  # *[M, K] activations, row stride stride_xm, unit column stride
+    X,  # *[M, K] activations (FP8 with ACT_FP8), row stride stride_xm, unit column stride
     G,  # *[K] RMSNorm weight
     W1,  # *[N, K] gate projection (nn.Linear layout), row stride stride_wn
     W3,  # *[N, K] up projection, same layout and strides as W1
     OUT,  # *[M, N] output, row stride stride_om
     WS,  # *[2·SPLIT_K, M, N] float32 partial products (split-K only)
     WSQ,  # *[SPLIT_K, M] float32 partial sums of x² (split-K with PASSES == 1 only)
+    SX,  # *[M] float32 scales of X's rows (ACT_FP8 only)
+    S1, S3,  # *[N] float32 per-output-channel scales of W1 and W3 (W_SCALED only)
     M, N, K,
     stride_xm, stride_wn, stride_om,
     eps,
@@ -69,6 +79,9 @@ def _ffn_kernel(
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a slice of K
     FINISH: tl.constexpr,  # the split-K finishing pass: add the partials up, then the epilogue
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
+    W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.mma_weight)
+    ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
+    W_SCALED: tl.constexpr,  # the weights have per-output-channel scales S1, S3
 ):
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
@@ -85,12 +98,15 @@ def _ffn_kernel(
         w_off = rn[None, :].to(tl.int64) * stride_wn
         acc1, acc3, sumsq = two_products(X, G, W1, w_off, W3, w_off, rm, m_ok, n_ok, K,
                                          stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PASSES,
-                                         IEEE)
+                                         IEEE, W_FP8)
 
     if SPLIT_K > 1 and not FINISH:
         store_two_partials(WS, WSQ, acc1, acc3, sumsq, rm, rn, m_ok, mn_ok, M, N, pid_n == 0,
                            PASSES)
     else:
+        # The scales of the FP8 operands, on the whole sums: x's row scales, the channels' own.
+        acc1 = scale_product(acc1, SX, rm, m_ok, S1, rn, n_ok, ACT_FP8, W_SCALED)
+        acc3 = scale_product(acc3, SX, rm, m_ok, S3, rn, n_ok, ACT_FP8, W_SCALED)
         if PASSES == 1:
             rstd = tl.rsqrt(sumsq / K + eps)[:, None]
             a = acc1 * rstd
@@ -104,20 +120,30 @@ def _ffn_kernel(
 
 
 def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-               out: torch.Tensor, eps: float, config: Config) -> None:
-    """Launches on x [M, K], weights [N, K] (unit column strides), out [M, N].
+               out: torch.Tensor, eps: float, config: Config, s1: torch.Tensor | None = None,
+               s3: torch.Tensor | None = None) -> None:
+    """Launches on x [M, K], weights [N, K] (unit column strides; x's dtype or FP8 with
+    optional per-channel scales s1, s3 [N]), out [M, N].
 
     PASSES = 2: RMSNorm runs first as its own kernel (fusetune.rmsnorm, tuned config from the
-    tables) and the matmul reads its output. SPLIT_K > 1: SPLIT_K programs per output tile
-    write float32 partial sums, and a second launch of the same kernel (FINISH) adds them up
-    and applies the epilogue.
+    tables) and the matmul reads its output; with FP8 weights and ACT_FP8 = 1 that pass
+    writes the rows in e4m3 with a scale each (fp8.norm_fp8_rows) and the K loop multiplies
+    FP8 by FP8. SPLIT_K > 1: SPLIT_K programs per output tile write float32 partial sums, and
+    a second launch of the same kernel (FINISH) adds them up and applies the epilogue.
     """
     m, k = x.shape
     n = w1.shape[0]
     if m == 0 or n == 0:
         return
-    if config["PASSES"] == 2:
+    act = fp8.act_fp8(config, fp8.weights_key(w1.dtype))
+    sx = out  # not read unless act
+    if act:
+        fp8.check_act_fp8("ffn", x.device)
+        x, sx = fp8.norm_fp8_rows(x, g, eps)
+    elif config["PASSES"] == 2:
         x = rmsnorm(x, g, eps)
+    w1, w_fp8 = fp8.weight_operand(w1, act)
+    w3, _ = fp8.weight_operand(w3, act)
     split = config["SPLIT_K"]
     ws = wsq = out  # not read unless split > 1
     if split > 1:
@@ -128,10 +154,12 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _ffn_kernel[grid](
-            x, g, w1, w3, out, ws, wsq, m, n, k, x.stride(0), w1.stride(0), out.stride(0),
+            x, g, w1, w3, out, ws, wsq, sx, out if s1 is None else s1,
+            out if s3 is None else s3, m, n, k, x.stride(0), w1.stride(0), out.stride(0),
             eps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
             PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
-            IEEE=x.dtype == torch.float32,
+            IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act,
+            W_SCALED=s1 is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -147,12 +175,18 @@ def ffn(
     w3: torch.Tensor,
     eps: float = 1e-6,
     *,
+    w1_scale: torch.Tensor | None = None,
+    w3_scale: torch.Tensor | None = None,
     config: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """silu(rmsnorm(x)·W1ᵀ) · (rmsnorm(x)·W3ᵀ) for x [..., dim], W1 and W3 [hidden, dim].
 
-    Returns [..., hidden] in x's dtype. The config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-    num_warps, num_stages) comes from the lookup tables unless `config` is given.
+    W1 and W3 are in x's dtype, or both FP8 (torch.float8_e4m3fn or float8_e5m2, e.g. from
+    fusetune.quantize_fp8) with optional float32 scales per output channel `w1_scale`,
+    `w3_scale` [hidden] (None: 1), W1 = w1_scale[:, None] · w1. Returns [..., hidden] in x's
+    dtype. The config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8,
+    num_warps, num_stages) comes from the lookup tables (for this weight format) unless
+    `config` is given.
     """
     if x.ndim < 1:
         raise ValueError("ffn: x must have at least one dimension")
@@ -166,8 +200,12 @@ def ffn(
     for name, t in (("rms_weight", rms_weight), ("w1", w1), ("w3", w3)):
         if t.device != x.device:
             raise ValueError(f"ffn: {name} is on {t.device}, x on {x.device}")
-        if name != "rms_weight" and t.dtype != x.dtype:
-            raise TypeError(f"ffn: {name} is {t.dtype}, expected x's dtype {x.dtype}")
+    weights = fp8.check_weights("ffn", x, {"w1": w1, "w3": w3},
+                                {"w1_scale": w1_scale, "w3_scale": w3_scale})
+    if (w1_scale is None) != (w3_scale is None):  # the kernel scales both or neither
+        ones = torch.ones(w1.shape[0], dtype=torch.float32, device=x.device)
+        w1_scale, w3_scale = (ones if w1_scale is None else w1_scale,
+                              ones if w3_scale is None else w3_scale)
     check_device(x, "ffn")
     if w1.stride(-1) != 1 or w3.stride() != w1.stride():  # the kernel reads both with one stride
         w1, w3 = w1.contiguous(), w3.contiguous()
@@ -178,10 +216,13 @@ def ffn(
     if config is None:
         from fusetune.tables import cached_config
 
-        cfg = cached_config("ffn", (("dim", d), ("hidden", hidden)), dtype, m, "", x.device)
+        cfg = cached_config("ffn", (("dim", d), ("hidden", hidden)), dtype, m, weights,
+                            x.device)
     else:
         cfg = SPEC.validate_config(config)
-    _launch_2d(x2, rms_weight.contiguous(), w1, w3, out.view(-1, hidden), float(eps), cfg)
+    _launch_2d(x2, rms_weight.contiguous(), w1, w3, out.view(-1, hidden), float(eps), cfg,
+               None if w1_scale is None else w1_scale.contiguous(),
+               None if w3_scale is None else w3_scale.contiguous())
     return out
 
 
@@ -194,10 +235,10 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     x = torch.randn(point.batch, point.seq, d, device=device)
     g = 1.0 + 0.1 * torch.randn(d, device=device)
     # nn.Linear's default init scale, so that a and b are O(1) like in a trained model.
-    w1 = torch.randn(hdim, d, device=device) / d**0.5
-    w3 = torch.randn(hdim, d, device=device) / d**0.5
-    return {"x": x.to(dtype), "rms_weight": g.to(dtype), "w1": w1.to(dtype),
-            "w3": w3.to(dtype), "eps": 1e-6}
+    w1, w1_scale = fp8.spec_weight(torch.randn(hdim, d, device=device) / d**0.5, point)
+    w3, w3_scale = fp8.spec_weight(torch.randn(hdim, d, device=device) / d**0.5, point)
+    return {"x": x.to(dtype), "rms_weight": g.to(dtype), "w1": w1, "w3": w3,
+            "w1_scale": w1_scale, "w3_scale": w3_scale, "eps": 1e-6}
 
 
 def _make_outputs(inputs: Tensors) -> Tensors:
@@ -209,14 +250,17 @@ def _reference(inputs: Tensors) -> Tensors:
     x = inputs["x"].float()
     xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + inputs["eps"])
     xn = xn * inputs["rms_weight"].float()
-    a, b = xn @ inputs["w1"].float().T, xn @ inputs["w3"].float().T
+    # FP8 weights: the dequantized weights the kernel multiplies by.
+    a = xn @ fp8.spec_dequantized(inputs, "w1").T
+    b = xn @ fp8.spec_dequantized(inputs, "w3").T
     return {"h": torch.nn.functional.silu(a) * b}
 
 
 def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
     x, h = inputs["x"], outputs["h"]
     _launch_2d(x.view(-1, x.shape[-1]), inputs["rms_weight"], inputs["w1"], inputs["w3"],
-               h.view(-1, h.shape[-1]), inputs["eps"], config)
+               h.view(-1, h.shape[-1]), inputs["eps"], config, inputs.get("w1_scale"),
+               inputs.get("w3_scale"))
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
@@ -224,23 +268,33 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 
 
 def _canonical(config: Config, point: Point) -> Config:
-    return collapse_tiles(config, point.rows, point.dim["hidden"], point.dim["dim"])
+    c = collapse_tiles(config, point.rows, point.dim["hidden"], point.dim["dim"])
+    return fp8.collapse_act_fp8(c, point, point.dim["dim"])
 
 
 def _resources(config: Config, point: Point) -> Resources:
     elt = DTYPE_BYTES[point.dtype]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     threads = 32 * config["num_warps"]
-    smem = pipelined_smem(config, elt, n_weights=2, epilogue=True)
-    # Two float32 accumulators plus the operand fragments of one K-step.
-    regs = (2 * bm * bn + (bm * bk + 2 * bk * bn) * elt // 4) // threads + 40
-    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads)
+    operands = fp8.operand_bytes(config, point)
+    x_elt, w_elt, converted = operands
+    if bm == 1:
+        return gemv_resources(config, point.rows, w_elt, n_weights=2)
+    smem = pipelined_smem(config, elt, n_weights=2, epilogue=True, operands=operands)
+    # Two float32 accumulators plus the operand fragments of one K-step (FP8 weight tiles
+    # upcast in registers: in x's type, as the MMA reads them).
+    w_bytes = elt if converted else w_elt
+    regs = (2 * bm * bn + (bm * bk * x_elt + 2 * bk * bn * w_bytes) // 4) // threads + 40
+    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads,
+                     fp8_mma=fp8.act_fp8(config, point.weights))
 
 
 def _cost(point: Point) -> Cost:
     m, d, hdim = point.rows, point.dim["dim"], point.dim["hidden"]
     elt = DTYPE_BYTES[point.dtype]
-    return Cost(bytes=(m * d + 2 * hdim * d + m * hdim + d) * elt,
+    # FP8 weights: one byte each, and a float32 scale per output channel.
+    w_bytes = 2 * hdim * (d + 4) if point.weights in WEIGHT_FORMATS else 2 * hdim * d * elt
+    return Cost(bytes=(m * d + m * hdim + d) * elt + w_bytes,
                 flops=2 * m * d * 2 * hdim + 6 * m * hdim)
 
 
@@ -264,5 +318,9 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance=MATMUL_TOLERANCE,
-    source_objects=(_ffn_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, _rmsnorm_kernel),
+    source_objects=(_ffn_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, _rmsnorm_kernel,
+                    *fp8.FP8_SOURCES),
+    flags=MATMUL_FLAGS,
+    weight_formats=WEIGHT_FORMATS,
+    config_tolerance=fp8.config_tolerance,
 )

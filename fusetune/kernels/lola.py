@@ -4,13 +4,16 @@ LayerNorm folds into the matmul: layernorm(x)·Wᵀ = rstd ⊙ (x·Wᵀ − mean
 mean and rstd per row and the column sums of W per output. Each program accumulates x·Wᵀ for
 one [BLOCK_M, BLOCK_N] tile together with Σx and Σx² of its rows and Σ_k W of its columns (all
 float32, from the tiles it loads anyway), then applies the correction, the bias and
-gelu(y) = y·(1 + erf(y/√2))/2 in the epilogue. Weights use nn.Linear's layout [out, in].
+gelu(y) = y·(1 + erf(y/√2))/2 in the epilogue. Weights use nn.Linear's layout [out, in], in
+x's dtype or in FP8 with per-output-channel scales (fp8.py): a channel's scale multiplies its
+whole sum (Σ_k W[n, k] too), before the bias.
 
 The variance is E[x²] − mean², in float32: exact enough for activations whose mean is not
 orders of magnitude above their spread (normalized hidden states); the reference is torch's
 two-pass LayerNorm.
 
-Tunables (search_spaces/lola.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages.
+Tunables (search_spaces/lola.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K,
+ACT_FP8, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -22,20 +25,27 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
+from fusetune.kernels import fp8
 from fusetune.kernels._matmul import (
     MATMUL_CONFIG_KEYS,
+    MATMUL_FLAGS,
     MATMUL_POW2_KEYS,
     MATMUL_TOLERANCE,
     collapse_tiles,
     default_tiles,
     dot,
+    gemv_one_product,
+    gemv_resources,
     grouped_tile,
     k_slice,
+    mma_weight,
     partial_ptrs,
     pipelined_smem,
+    scale_product,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
+    WEIGHT_FORMATS,
     Config,
     Cost,
     KernelSpec,
@@ -53,12 +63,14 @@ from fusetune.models import ModelPreset
 
 @triton.jit
 def _lola_kernel(
-    X,  # *[M, K] activations, row stride stride_xm, unit column stride
+    X,  # *[M, K] activations (FP8 with ACT_FP8), row stride stride_xm, unit column stride
     W,  # *[N, K] weight (nn.Linear layout), row stride stride_wn
     B,  # *[N] bias
     OUT,  # *[M, N] output, row stride stride_om
     WS,  # *[SPLIT_K, M, N] float32 partial products (split-K only)
     WST,  # *[SPLIT_K, 2·M + N] float32 partial Σx, Σx² per row, Σw per column (split-K, PASSES 1)
+    SX,  # *[M] float32 scales of X's rows (ACT_FP8 only)
+    SW,  # *[N] float32 per-output-channel scales of W (W_SCALED only)
     M, N, K,
     stride_xm, stride_wn, stride_om,
     eps,
@@ -70,6 +82,9 @@ def _lola_kernel(
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a slice of K
     FINISH: tl.constexpr,  # the split-K finishing pass: add the partials up, then the epilogue
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
+    W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.mma_weight)
+    ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
+    W_SCALED: tl.constexpr,  # W has per-output-channel scales SW
 ):
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
@@ -91,6 +106,10 @@ def _lola_kernel(
                 sum_x += tl.load(WST + s * stats + rm, mask=m_ok, other=0.0)
                 sum_x2 += tl.load(WST + s * stats + M + rm, mask=m_ok, other=0.0)
                 sum_w += tl.load(WST + s * stats + 2 * M + rn, mask=n_ok, other=0.0)
+    elif BLOCK_M == 1:  # one row per program, no tensor cores (the decode structure)
+        acc, sum_x, sum_x2, sum_w = gemv_one_product(
+            X, W, rn[None, :].to(tl.int64) * stride_wn, rm, m_ok, n_ok, K, stride_xm, BLOCK_N,
+            BLOCK_K, SPLIT_K, PASSES, W_FP8)
     else:
         k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
         rk = tl.arange(0, BLOCK_K)
@@ -101,6 +120,7 @@ def _lola_kernel(
             k_ok = rk < k_end - k0  # partial last step: masked lanes read 0 and add nothing
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w = mma_weight(w, x, W_FP8)  # FP8 weights: upcast to x's type, or kept as FP8
             if PASSES == 1:
                 xf = x.to(tl.float32)
                 sum_x += tl.sum(xf, axis=1)
@@ -128,9 +148,9 @@ def _lola_kernel(
         if PASSES == 1:
             mean = sum_x / K
             rstd = tl.rsqrt(tl.maximum(sum_x2 / K - mean * mean, 0.0) + eps)
-            y = rstd[:, None] * (acc - mean[:, None] * sum_w[None, :]) + bias[None, :]
-        else:
-            y = acc + bias[None, :]
+            acc = rstd[:, None] * (acc - mean[:, None] * sum_w[None, :])
+        # The scales of the FP8 operands, on the whole sums: x's row scales, the channels' own.
+        y = scale_product(acc, SX, rm, m_ok, SW, rn, n_ok, ACT_FP8, W_SCALED) + bias[None, :]
         y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))  # exact GELU
         out_ptrs = OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
         tl.store(out_ptrs, y.to(OUT.dtype.element_ty), mask=mn_ok)
@@ -178,19 +198,28 @@ def layernorm_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor, eps: float,
-               config: Config) -> None:
-    """Launches on x [M, K], w [N, K] (unit column strides), b [N], out [M, N].
+               config: Config, sw: torch.Tensor | None = None) -> None:
+    """Launches on x [M, K], w [N, K] (unit column strides; x's dtype or FP8 with optional
+    per-channel scales sw [N]), b [N], out [M, N].
 
-    PASSES = 2: LayerNorm runs first as its own kernel and the matmul reads its output.
-    SPLIT_K > 1: SPLIT_K programs per output tile write float32 partial sums, and a second
-    launch of the same kernel (FINISH) adds them up and applies the epilogue.
+    PASSES = 2: LayerNorm runs first as its own kernel and the matmul reads its output; with
+    FP8 weights and ACT_FP8 = 1 that pass writes the rows in e4m3 with a scale each
+    (fp8.norm_fp8_rows) and the K loop multiplies FP8 by FP8. SPLIT_K > 1: SPLIT_K programs
+    per output tile write float32 partial sums, and a second launch of the same kernel
+    (FINISH) adds them up and applies the epilogue.
     """
     m, k = x.shape
     n = w.shape[0]
     if m == 0 or n == 0:
         return
-    if config["PASSES"] == 2:
+    act = fp8.act_fp8(config, fp8.weights_key(w.dtype))
+    sx = out  # not read unless act
+    if act:
+        fp8.check_act_fp8("lola", x.device)
+        x, sx = fp8.norm_fp8_rows(x, None, eps)
+    elif config["PASSES"] == 2:
         x = layernorm_rows(x, eps)
+    w, w_fp8 = fp8.weight_operand(w, act)
     split = config["SPLIT_K"]
     ws = wst = out  # not read unless split > 1
     if split > 1:
@@ -201,10 +230,11 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _lola_kernel[grid](
-            x, w, b, out, ws, wst, m, n, k, x.stride(0), w.stride(0), out.stride(0), eps,
+            x, w, b, out, ws, wst, sx, out if sw is None else sw, m, n, k, x.stride(0),
+            w.stride(0), out.stride(0), eps,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
             PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
-            IEEE=x.dtype == torch.float32,
+            IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act, W_SCALED=sw is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -219,13 +249,17 @@ def lola(
     bias: torch.Tensor,
     eps: float = 1e-5,
     *,
+    weight_scale: torch.Tensor | None = None,
     config: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """gelu(layernorm(x)·Wᵀ + b), exact GELU, LayerNorm without affine, x [..., in_features],
     weight [out_features, in_features], bias [out_features]; returns [..., out] in x's dtype.
 
-    The config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) comes from the
-    lookup tables unless `config` is given.
+    `weight` is in x's dtype, or FP8 (torch.float8_e4m3fn or float8_e5m2, e.g. from
+    fusetune.quantize_fp8) with optional float32 scales per output channel `weight_scale`
+    [out_features] (None: 1), W = weight_scale[:, None] · weight. The config (BLOCK_M,
+    BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8, num_warps, num_stages) comes from the
+    lookup tables (for this weight format) unless `config` is given.
     """
     if x.ndim < 1:
         raise ValueError("lola: x must have at least one dimension")
@@ -237,8 +271,7 @@ def lola(
     if bias.shape != (n,):
         raise ValueError(f"lola: bias has shape {tuple(bias.shape)}, expected ({n},)")
     dtype = dtype_name(x.dtype)
-    if weight.dtype != x.dtype:
-        raise TypeError(f"lola: weight is {weight.dtype}, expected x's dtype {x.dtype}")
+    weights = fp8.check_weights("lola", x, {"weight": weight}, {"weight_scale": weight_scale})
     dtype_name(bias.dtype)  # raises for a bias dtype the kernel cannot read
     for name, t in (("weight", weight), ("bias", bias)):
         if t.device != x.device:
@@ -251,10 +284,11 @@ def lola(
     if config is None:
         from fusetune.tables import cached_config
 
-        cfg = cached_config("lola", (("dim", d), ("out", n)), dtype, m, "", x.device)
+        cfg = cached_config("lola", (("dim", d), ("out", n)), dtype, m, weights, x.device)
     else:
         cfg = SPEC.validate_config(config)
-    _launch_2d(x2, w, bias.contiguous(), out.view(-1, n), float(eps), cfg)
+    _launch_2d(x2, w, bias.contiguous(), out.view(-1, n), float(eps), cfg,
+               None if weight_scale is None else weight_scale.contiguous())
     return out
 
 
@@ -268,9 +302,10 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     x = torch.randn(point.batch, point.seq, d, device=device)
     x = x * (1 + torch.rand(point.batch, point.seq, 1, device=device)) \
         + 0.5 * torch.randn(point.batch, point.seq, 1, device=device)
-    w = torch.randn(n, d, device=device) / d**0.5
+    w, w_scale = fp8.spec_weight(torch.randn(n, d, device=device) / d**0.5, point)
     b = 0.1 * torch.randn(n, device=device)
-    return {"x": x.to(dtype), "weight": w.to(dtype), "bias": b.to(dtype), "eps": 1e-5}
+    return {"x": x.to(dtype), "weight": w, "weight_scale": w_scale, "bias": b.to(dtype),
+            "eps": 1e-5}
 
 
 def _make_outputs(inputs: Tensors) -> Tensors:
@@ -281,14 +316,15 @@ def _make_outputs(inputs: Tensors) -> Tensors:
 def _reference(inputs: Tensors) -> Tensors:
     x = inputs["x"].float()
     xn = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=inputs["eps"])
-    y = xn @ inputs["weight"].float().T + inputs["bias"].float()
+    # FP8 weights: the dequantized weights the kernel multiplies by.
+    y = xn @ fp8.spec_dequantized(inputs, "weight").T + inputs["bias"].float()
     return {"y": torch.nn.functional.gelu(y)}
 
 
 def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
     x, y = inputs["x"], outputs["y"]
     _launch_2d(x.view(-1, x.shape[-1]), inputs["weight"], inputs["bias"],
-               y.view(-1, y.shape[-1]), inputs["eps"], config)
+               y.view(-1, y.shape[-1]), inputs["eps"], config, inputs.get("weight_scale"))
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
@@ -296,22 +332,31 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 
 
 def _canonical(config: Config, point: Point) -> Config:
-    return collapse_tiles(config, point.rows, point.dim["out"], point.dim["dim"])
+    c = collapse_tiles(config, point.rows, point.dim["out"], point.dim["dim"])
+    return fp8.collapse_act_fp8(c, point, point.dim["dim"])
 
 
 def _resources(config: Config, point: Point) -> Resources:
     elt = DTYPE_BYTES[point.dtype]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     threads = 32 * config["num_warps"]
-    smem = pipelined_smem(config, elt, n_weights=1, epilogue=False)
-    regs = (bm * bn + (bm * bk + bk * bn) * elt // 4 + bk * bn) // threads + 40
-    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads)
+    operands = fp8.operand_bytes(config, point)
+    x_elt, w_elt, converted = operands
+    if bm == 1:  # with PASSES == 1 the weights' sums take a second float32 tile
+        return gemv_resources(config, point.rows, w_elt, n_weights=3 - config["PASSES"])
+    smem = pipelined_smem(config, elt, n_weights=1, epilogue=False, operands=operands)
+    w_bytes = elt if converted else w_elt  # FP8 weights upcast: the MMA reads x's type
+    regs = (bm * bn + (bm * bk * x_elt + bk * bn * w_bytes) // 4 + bk * bn) // threads + 40
+    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads,
+                     fp8_mma=fp8.act_fp8(config, point.weights))
 
 
 def _cost(point: Point) -> Cost:
     m, d, n = point.rows, point.dim["dim"], point.dim["out"]
     elt = DTYPE_BYTES[point.dtype]
-    return Cost(bytes=(m * d + n * d + m * n + n) * elt, flops=2 * m * d * n + 10 * m * n)
+    # FP8 weights: one byte each, and a float32 scale per output channel.
+    w_bytes = n * (d + 4) if point.weights in WEIGHT_FORMATS else n * d * elt
+    return Cost(bytes=(m * d + m * n + n) * elt + w_bytes, flops=2 * m * d * n + 10 * m * n)
 
 
 def _dims_from_model(model: ModelPreset) -> dict[str, int]:
@@ -335,5 +380,9 @@ SPEC = KernelSpec(
     dims_from_model=_dims_from_model,
     tolerance=MATMUL_TOLERANCE,
     source_objects=(_lola_kernel, _layernorm_kernel, grouped_tile, k_slice, partial_ptrs, dot,
-                    _launch_2d, layernorm_rows),
+                    gemv_one_product, mma_weight, scale_product, _launch_2d, layernorm_rows,
+                    *fp8.FP8_SOURCES),
+    flags=MATMUL_FLAGS,
+    weight_formats=WEIGHT_FORMATS,
+    config_tolerance=fp8.config_tolerance,
 )

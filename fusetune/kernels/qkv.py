@@ -10,10 +10,11 @@ One launch covers the three matrices. A program computes BLOCK_N rotation *pairs
 matrix for BLOCK_M rows: two accumulators hold the two columns of each pair (2i, 2i+1 when
 interleaved, i and i + head_dim/2 otherwise), so RoPE is applied in the epilogue without any
 exchange between programs. RMSNorm folds into the matmul as in ffn.py (x ⊙ g in the K loop,
-rstd per row in the epilogue). V goes through the same code with a zero angle.
+rstd per row in the epilogue). V goes through the same code with a zero angle. The weights are
+in x's dtype or in FP8 with per-output-channel scales (fp8.py), applied before RoPE.
 
 Tunables (search_spaces/qkv.yaml): BLOCK_M, BLOCK_N (pairs per program), BLOCK_K, GROUP_M,
-num_warps, num_stages.
+PASSES, SPLIT_K, ACT_FP8, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -26,21 +27,26 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
+from fusetune.kernels import fp8
 from fusetune.kernels._matmul import (
     MATMUL_CONFIG_KEYS,
+    MATMUL_FLAGS,
     MATMUL_POW2_KEYS,
     MATMUL_TOLERANCE,
     TWO_PRODUCT_SOURCES,
     collapse_tiles,
     default_tiles,
+    gemv_resources,
     grouped_tile,
     pipelined_smem,
+    scale_product,
     store_two_partials,
     two_partials_added,
     two_products,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
+    WEIGHT_FORMATS,
     Config,
     Cost,
     KernelSpec,
@@ -51,18 +57,21 @@ from fusetune.kernels._spec import (
     dtype_name,
     torch_dtype,
 )
+from fusetune.kernels._trig import sincos
 from fusetune.kernels.rmsnorm import _rmsnorm_kernel, rmsnorm
 from fusetune.models import ModelPreset
 
 
 @triton.jit
 def _qkv_kernel(
-    X,  # *[M, K] activations (M = batch·seq tokens), row stride stride_xm
+    X,  # *[M, K] activations (M = batch·seq tokens; FP8 with ACT_FP8), row stride stride_xm
     G,  # *[K] RMSNorm weight
     WQ, WK, WV,  # *[Nq, K], *[Nkv, K], *[Nkv, K] weights (nn.Linear layout, unit column stride)
     OQ, OK, OV,  # *[M, Nq], *[M, Nkv], *[M, Nkv] outputs, contiguous
     WS,  # *[2·SPLIT_K, M, NQ_PAIRS + 2·NKV_PAIRS] float32 partial products (split-K only)
     WSQ,  # *[SPLIT_K, M] float32 partial sums of x² (split-K with PASSES == 1 only)
+    SX,  # *[M] float32 scales of X's rows (ACT_FP8 only)
+    SQ, SK, SV,  # *[Nq], *[Nkv], *[Nkv] float32 per-output-channel weight scales (W_SCALED)
     M, K, S,  # tokens, model width, sequence length (token m sits at position start_pos + m % S)
     NQ_PAIRS, NKV_PAIRS,  # Nq / 2 and Nkv / 2
     HALF,  # head_dim / 2: pairs per head
@@ -79,6 +88,9 @@ def _qkv_kernel(
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a slice of K
     FINISH: tl.constexpr,  # the split-K finishing pass: add the partials up, then the epilogue
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
+    W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.mma_weight)
+    ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
+    W_SCALED: tl.constexpr,  # the weights have per-output-channel scales SQ, SK, SV
 ):
     # Column-blocks of the three matrices side by side: [Q blocks | K blocks | V blocks].
     nb_q = tl.cdiv(NQ_PAIRS, BLOCK_N)
@@ -90,13 +102,16 @@ def _qkv_kernel(
     if pid_n < nb_q:
         W, Y, stride_w, n_pairs, blk, rope, first = (WQ, OQ, stride_wq, NQ_PAIRS, pid_n, 1.0,
                                                      0 * NQ_PAIRS)
+        SW = SQ
     elif pid_n < nb_q + nb_kv:
         W, Y, stride_w, n_pairs, blk, rope, first = (WK, OK, stride_wk, NKV_PAIRS, pid_n - nb_q,
                                                      1.0, NQ_PAIRS)
+        SW = SK
     else:
         W, Y, stride_w, n_pairs, blk, rope, first = (WV, OV, stride_wv, NKV_PAIRS,
                                                      pid_n - nb_q - nb_kv, 0.0,
                                                      NQ_PAIRS + NKV_PAIRS)
+        SW = SV
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     p = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # pair index within the matrix
@@ -121,12 +136,16 @@ def _qkv_kernel(
         acc_a, acc_b, sumsq = two_products(X, G, W, col_a[None, :].to(tl.int64) * stride_w,
                                            W, col_b[None, :].to(tl.int64) * stride_w, rm, m_ok,
                                            p_ok, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
-                                           PASSES, IEEE)
+                                           PASSES, IEEE, W_FP8)
 
     if SPLIT_K > 1 and not FINISH:
         store_two_partials(WS, WSQ, acc_a, acc_b, sumsq, rm, first + p, m_ok, mp_ok, M,
                            all_pairs, pid_n == 0, PASSES)
     else:
+        # The scales of the FP8 operands, on the whole sums: x's row scales, and those of the
+        # weight rows col_a and col_b.
+        acc_a = scale_product(acc_a, SX, rm, m_ok, SW, col_a, p_ok, ACT_FP8, W_SCALED)
+        acc_b = scale_product(acc_b, SX, rm, m_ok, SW, col_b, p_ok, ACT_FP8, W_SCALED)
         if PASSES == 1:
             rstd = tl.rsqrt(sumsq / K + eps)[:, None]
             a = acc_a * rstd
@@ -138,32 +157,51 @@ def _qkv_kernel(
         pos = (start_pos + rm % S).to(tl.float32)
         freq = tl.exp2(i.to(tl.float32) * neg_log2_theta_over_half)
         angle = pos[:, None] * (freq * rope)[None, :]
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
+        sin, cos = sincos(angle)  # polynomial: libdevice's sin/cos spill here (_trig.py)
         ya = a * cos - b * sin
         yb = a * sin + b * cos
         # Outputs are contiguous [M, N]: row stride 2 · n_pairs.
         o_row = Y + rm[:, None].to(tl.int64) * (2 * n_pairs)
-        tl.store(o_row + col_a[None, :], ya.to(Y.dtype.element_ty), mask=mp_ok)
-        tl.store(o_row + col_b[None, :], yb.to(Y.dtype.element_ty), mask=mp_ok)
+        if INTERLEAVED:
+            # Pair p is columns 2p and 2p + 1: the tile's pairs are 2·BLOCK_N contiguous
+            # columns from 2·blk·BLOCK_N. Interleaving ya and yb in registers makes that one
+            # row of wide stores instead of two scattered 2-byte ones.
+            y = tl.join(ya, yb).reshape(BLOCK_M, 2 * BLOCK_N)
+            c = blk * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+            tl.store(o_row + c[None, :], y.to(Y.dtype.element_ty),
+                     mask=m_ok[:, None] & (c < 2 * n_pairs)[None, :])
+        else:
+            tl.store(o_row + col_a[None, :], ya.to(Y.dtype.element_ty), mask=mp_ok)
+            tl.store(o_row + col_b[None, :], yb.to(Y.dtype.element_ty), mask=mp_ok)
 
 
 def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                wv: torch.Tensor, oq: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor, seq: int,
                head_dim: int, start_pos: int, theta: float, eps: float, interleaved: bool,
-               config: Config) -> None:
-    """x [M, K]; weights [N, K] with unit column stride; outputs contiguous [M, N].
+               config: Config, scales: tuple[torch.Tensor, ...] | None = None) -> None:
+    """x [M, K]; weights [N, K] with unit column stride (x's dtype or FP8, one dtype for the
+    three, with per-channel scales `scales` = (sq, sk, sv) or None); outputs contiguous [M, N].
 
     PASSES = 2: RMSNorm runs first as its own kernel (fusetune.rmsnorm, tuned config from the
-    tables) and the matmul reads its output. SPLIT_K > 1: SPLIT_K programs per output tile
-    write float32 partial sums, and a second launch of the same kernel (FINISH) adds them up
-    and applies RoPE.
+    tables) and the matmul reads its output; with FP8 weights and ACT_FP8 = 1 that pass
+    writes the rows in e4m3 with a scale each (fp8.norm_fp8_rows) and the K loop multiplies
+    FP8 by FP8. SPLIT_K > 1: SPLIT_K programs per output tile write float32 partial sums, and
+    a second launch of the same kernel (FINISH) adds them up and applies RoPE.
     """
     m, k = x.shape
     if m == 0:
         return
-    if config["PASSES"] == 2:
+    act = fp8.act_fp8(config, fp8.weights_key(wq.dtype))
+    sx = oq  # not read unless act
+    if act:
+        fp8.check_act_fp8("qkv", x.device)
+        x, sx = fp8.norm_fp8_rows(x, g, eps)
+    elif config["PASSES"] == 2:
         x = rmsnorm(x, g, eps)
+    wq, w_fp8 = fp8.weight_operand(wq, act)
+    wk, _ = fp8.weight_operand(wk, act)
+    wv, _ = fp8.weight_operand(wv, act)
+    sq, sk, sv = scales if scales is not None else (oq, oq, oq)
     half = head_dim // 2
     nq_pairs, nkv_pairs = wq.shape[0] // 2, wk.shape[0] // 2
     split = config["SPLIT_K"]
@@ -178,12 +216,14 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _qkv_kernel[grid](
-            x, g, wq, wk, wv, oq, ok, ov, ws, wsq, m, k, seq, nq_pairs, nkv_pairs, half,
+            x, g, wq, wk, wv, oq, ok, ov, ws, wsq, sx, sq, sk, sv, m, k, seq, nq_pairs,
+            nkv_pairs, half,
             x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), start_pos,
             -math.log2(theta) / half, eps,
             BLOCK_M=config["BLOCK_M"], BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], INTERLEAVED=interleaved, PASSES=config["PASSES"],
-            SPLIT_K=split, FINISH=finish, IEEE=x.dtype == torch.float32,
+            SPLIT_K=split, FINISH=finish, IEEE=x.dtype == torch.float32, W_FP8=w_fp8,
+            ACT_FP8=act, W_SCALED=scales is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -204,12 +244,21 @@ def qkv(
     *,
     head_dim: int | None = None,
     interleaved: bool = True,
+    wq_scale: torch.Tensor | None = None,
+    wk_scale: torch.Tensor | None = None,
+    wv_scale: torch.Tensor | None = None,
     config: Mapping[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm(x) projected to q, k, v, with RoPE on q and k (see the module docstring).
 
     `head_dim` defaults to 128 when it divides both projections' widths, else 64; pass it for
     models with other head sizes (or where 64 divides but the heads are wider).
+
+    wq, wk and wv are in x's dtype, or all three FP8 (torch.float8_e4m3fn or float8_e5m2, e.g.
+    from fusetune.quantize_fp8) with optional float32 scales per output channel `wq_scale`
+    [Nq], `wk_scale`, `wv_scale` [Nkv] (None: 1). The config (BLOCK_M, BLOCK_N, BLOCK_K,
+    GROUP_M, PASSES, SPLIT_K, ACT_FP8, num_warps, num_stages) comes from the lookup tables
+    (for this weight format) unless `config` is given.
     """
     if x.ndim != 3:
         raise ValueError(f"qkv: x must be [batch, seq, dim], got shape {tuple(x.shape)}")
@@ -220,8 +269,6 @@ def qkv(
         if w.ndim != 2 or w.shape[1] != d:
             raise ValueError(f"qkv: {name} must be [out_features, {d}] (nn.Linear layout), got "
                              f"{tuple(w.shape)}")
-        if w.dtype != x.dtype:
-            raise TypeError(f"qkv: {name} is {w.dtype}, expected x's dtype {x.dtype}")
         if w.device != x.device:
             raise ValueError(f"qkv: {name} is on {w.device}, x on {x.device}")
     if wv.shape != wk.shape:
@@ -239,6 +286,15 @@ def qkv(
     if start_pos < 0:
         raise ValueError(f"qkv: start_pos={start_pos} must be >= 0")
     dtype = dtype_name(x.dtype)
+    weights = fp8.check_weights("qkv", x, {"wq": wq, "wk": wk, "wv": wv},
+                                {"wq_scale": wq_scale, "wk_scale": wk_scale,
+                                 "wv_scale": wv_scale})
+    given = (wq_scale, wk_scale, wv_scale)
+    scales = None
+    if any(s is not None for s in given):  # the kernel scales all three or none
+        scales = tuple(torch.ones(w.shape[0], dtype=torch.float32, device=x.device)
+                       if s is None else s.contiguous() for w, s in zip((wq, wk, wv), given,
+                                                                        strict=True))
     check_device(x, "qkv")
     ws = [w if w.stride(-1) == 1 else w.contiguous() for w in (wq, wk, wv)]
     x2 = x.reshape(bsz * seq, d)
@@ -252,12 +308,12 @@ def qkv(
 
         dims = (("dim", d), ("head_dim", head_dim), ("interleaved", int(interleaved)),
                 ("n_heads", nq // head_dim), ("n_kv_heads", nkv // head_dim))
-        cfg = cached_config("qkv", dims, dtype, bsz * seq, "", x.device)
+        cfg = cached_config("qkv", dims, dtype, bsz * seq, weights, x.device)
     else:
         cfg = SPEC.validate_config(config)
     _launch_2d(x2, rms_weight.contiguous(), *ws, q.view(bsz * seq, nq), k.view(bsz * seq, nkv),
                v.view(bsz * seq, nkv), seq, head_dim, int(start_pos), float(theta), float(eps),
-               bool(interleaved), cfg)
+               bool(interleaved), cfg, scales)
     return q, k, v
 
 
@@ -271,11 +327,13 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     x = torch.randn(point.batch, point.seq, d, device=device)
     g = 1.0 + 0.1 * torch.randn(d, device=device)
 
-    def w(n_heads: int) -> torch.Tensor:
-        return (torch.randn(n_heads * hd, d, device=device) / d**0.5).to(dtype)
+    def w(n_heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # FP8 points: quantized, with per-channel scales.
+        return fp8.spec_weight(torch.randn(n_heads * hd, d, device=device) / d**0.5, point)
 
-    return {"x": x.to(dtype), "rms_weight": g.to(dtype), "wq": w(dm["n_heads"]),
-            "wk": w(dm["n_kv_heads"]), "wv": w(dm["n_kv_heads"]), "start_pos": 5,
+    (wq, sq), (wk, sk), (wv, sv) = w(dm["n_heads"]), w(dm["n_kv_heads"]), w(dm["n_kv_heads"])
+    return {"x": x.to(dtype), "rms_weight": g.to(dtype), "wq": wq, "wk": wk, "wv": wv,
+            "wq_scale": sq, "wk_scale": sk, "wv_scale": sv, "start_pos": 5,
             "theta": 10000.0, "eps": 1e-6, "head_dim": hd, "interleaved": bool(dm["interleaved"])}
 
 
@@ -303,8 +361,8 @@ def _reference(inputs: Tensors) -> Tensors:
     xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + inputs["eps"])
     xn = xn * inputs["rms_weight"].float()
     b, s = x.shape[:2]
-    q, k, v = (
-        (xn @ inputs[w].float().T).view(b, s, -1, hd) for w in ("wq", "wk", "wv")
+    q, k, v = (  # FP8 weights: the dequantized weights the kernel multiplies by
+        (xn @ fp8.spec_dequantized(inputs, w).T).view(b, s, -1, hd) for w in ("wq", "wk", "wv")
     )
     rot = {"start_pos": inputs["start_pos"], "theta": inputs["theta"],
            "interleaved": inputs["interleaved"]}
@@ -318,7 +376,8 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
     _launch_2d(x.view(b * s, d), inputs["rms_weight"], inputs["wq"], inputs["wk"], inputs["wv"],
                q.view(b * s, -1), k.view(b * s, -1), v.view(b * s, -1), s, inputs["head_dim"],
                inputs["start_pos"], inputs["theta"], inputs["eps"], inputs["interleaved"],
-               config)
+               config, None if inputs.get("wq_scale") is None else
+               (inputs["wq_scale"], inputs["wk_scale"], inputs["wv_scale"]))
 
 
 def _pairs(point: Point) -> int:
@@ -328,28 +387,38 @@ def _pairs(point: Point) -> int:
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
     c = default_tiles(point, gpu, _resources, _pairs(point), point.dim["dim"])
-    c["BLOCK_N"] = max(16, c["BLOCK_N"] // 2)  # pairs: each is two output columns
+    # BLOCK_N counts pairs, two output columns each (tl.dot still needs 16 of them).
+    c["BLOCK_N"] = max(16 if c["BLOCK_M"] > 1 else 4, c["BLOCK_N"] // 2)
     return c
 
 
 def _canonical(config: Config, point: Point) -> Config:
-    return collapse_tiles(config, point.rows, _pairs(point), point.dim["dim"])
+    c = collapse_tiles(config, point.rows, _pairs(point), point.dim["dim"])
+    return fp8.collapse_act_fp8(c, point, point.dim["dim"])
 
 
 def _resources(config: Config, point: Point) -> Resources:
     elt = DTYPE_BYTES[point.dtype]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     threads = 32 * config["num_warps"]
-    smem = pipelined_smem(config, elt, n_weights=2, epilogue=True)
-    regs = (2 * bm * bn + (bm * bk + 2 * bk * bn) * elt // 4) // threads + 48
-    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads)
+    operands = fp8.operand_bytes(config, point)
+    x_elt, w_elt, converted = operands
+    if bm == 1:
+        return gemv_resources(config, point.rows, w_elt, n_weights=2)
+    smem = pipelined_smem(config, elt, n_weights=2, epilogue=True, operands=operands)
+    w_bytes = elt if converted else w_elt  # FP8 weights upcast: the MMA reads x's type
+    regs = (2 * bm * bn + (bm * bk * x_elt + 2 * bk * bn * w_bytes) // 4) // threads + 48
+    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads,
+                     fp8_mma=fp8.act_fp8(config, point.weights))
 
 
 def _cost(point: Point) -> Cost:
     m, d = point.rows, point.dim["dim"]
     n = 2 * _pairs(point)
     elt = DTYPE_BYTES[point.dtype]
-    return Cost(bytes=(m * d + n * d + m * n + d) * elt, flops=2 * m * d * n + 8 * m * n)
+    # FP8 weights: one byte each, and a float32 scale per output channel.
+    w_bytes = n * (d + 4) if point.weights in WEIGHT_FORMATS else n * d * elt
+    return Cost(bytes=(m * d + m * n + d) * elt + w_bytes, flops=2 * m * d * n + 8 * m * n)
 
 
 def _dims_from_model(model: ModelPreset) -> dict[str, int]:
@@ -373,5 +442,9 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance=MATMUL_TOLERANCE,
-    source_objects=(_qkv_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, _rmsnorm_kernel),
+    source_objects=(_qkv_kernel, sincos, *TWO_PRODUCT_SOURCES, _launch_2d, _rmsnorm_kernel,
+                    *fp8.FP8_SOURCES),
+    flags=MATMUL_FLAGS,
+    weight_formats=WEIGHT_FORMATS,
+    config_tolerance=fp8.config_tolerance,
 )

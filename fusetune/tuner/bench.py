@@ -11,10 +11,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fusetune.kernels._spec import Config, KernelSpec, Point
+from fusetune.tuner.launches import KernelStats, kernel_stats, launched_kernels
 
 # Statuses of a result; "ok" is the only one that can win.
 STATUSES = ("ok", "infeasible", "oor", "compile_error", "runtime_error", "wrong_result",
@@ -35,10 +37,20 @@ class Outcome:
     p80_us: float | None = None
     rel_err: float | None = None
     compile_s: float | None = None
+    # The compiled kernels of the config (see launches.KernelStats; None: unknown)
+    n_regs: int | None = None  # registers per thread, the most any of its kernels uses
+    n_spills: int | None = None  # spilled registers, all its kernels together
+    smem_bytes: int | None = None  # shared memory per program, the most any kernel uses
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    def with_stats(self, stats: KernelStats) -> Outcome:
+        """This outcome with the compiled kernels' figures."""
+        self.n_regs, self.n_spills, self.smem_bytes = (stats.n_regs, stats.n_spills,
+                                                       stats.smem_bytes)
+        return self
 
 
 _FATAL_MARKERS = ("illegal memory access", "illegal address", "device-side assert",
@@ -88,13 +100,19 @@ class Evaluator:
         return lambda: spec.launch(inputs, outputs, config)
 
     def check(self, config: Config) -> Outcome:
-        """Compiles and runs `config` once on NaN-poisoned outputs; compares with the reference."""
+        """Compiles and runs `config` once on NaN-poisoned outputs; compares with the reference.
+        The outcome has the registers, spills and shared memory of the kernels it launched."""
+        kernels: list[Any] = []
+        return self._check(config, kernels).with_stats(kernel_stats(kernels))
+
+    def _check(self, config: Config, kernels: list[Any]) -> Outcome:
         for t in self.outputs.values():
             t.fill_(float("nan"))  # an element the kernel fails to write stays NaN
         t0 = time.perf_counter()
         try:
-            self._run(config)()
-            self._sync()
+            with launched_kernels(kernels):
+                self._run(config)()
+                self._sync()
         except Exception as exc:  # every failure is a result, never a crash of the search
             status, reason = classify_exception(exc)
             if status == "crashed":
@@ -102,6 +120,7 @@ class Evaluator:
             return Outcome(status, reason, compile_s=time.perf_counter() - t0)
         compile_s = time.perf_counter() - t0
         worst = 0.0
+        tol = self.spec.tolerance_for(self.point, config)  # looser where activations are FP8
         for name, ref in self.reference.items():
             out = self.outputs[name].float()
             if not torch.isfinite(out).all():
@@ -111,9 +130,9 @@ class Evaluator:
             err = float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref)
                         .clamp_min(1e-30))
             worst = max(worst, err)
-            if err > self.tolerance:
+            if err > tol:
                 return Outcome("wrong_result", f"{name}: relative error {err:.2e} > "
-                               f"{self.tolerance:.1e} for {self.point.dtype}", rel_err=err,
+                               f"{tol:.1e} for {self.point.dtype}", rel_err=err,
                                compile_s=compile_s)
         return Outcome("ok", rel_err=worst, compile_s=compile_s)
 
@@ -145,5 +164,6 @@ class Evaluator:
             status, reason = classify_exception(exc)
             if status == "crashed":
                 raise DeviceLostError(reason) from exc
-            return Outcome(status, reason, compile_s=out.compile_s)
+            return Outcome(status, reason, compile_s=out.compile_s, n_regs=out.n_regs,
+                           n_spills=out.n_spills, smem_bytes=out.smem_bytes)
         return out

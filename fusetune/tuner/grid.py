@@ -42,6 +42,8 @@ class GridRun:
     timed: int  # evaluated by this run
     wall_s: float  # seconds this run spent evaluating
     result: PointResult | None  # winner re-timed beside the default (None if nothing ran)
+    compile_s: float = 0.0  # of which compiling and checking, in the evaluating process
+    compiled_ahead: int = 0  # configs timed after the compile processes compiled them
 
 
 def grid_study(tuner: PointTuner) -> optuna.Study:
@@ -53,7 +55,9 @@ def grid_study(tuner: PointTuner) -> optuna.Study:
 def run_grid(tuner: PointTuner, progress: GridProgress | None = None) -> GridRun:
     """Evaluates every feasible config of the tuner's plan not stored yet (and the default
     config when the space cannot express it), stores pruned configs as infeasible, then re-times
-    the best few beside the default and stores the winner like a search does."""
+    the best few beside the default and stores the winner like a search does. With compile
+    processes (the context's `compiler`), every config to time is handed to them first: they
+    compile ahead while the GPU times."""
     plan, results, default_key = tuner.plan, tuner.results, config_key(tuner.default)
     todo = [c for c in plan.feasible if config_key(c) not in results]
     if default_key not in plan.representative and default_key not in results:
@@ -71,6 +75,7 @@ def run_grid(tuner: PointTuner, progress: GridProgress | None = None) -> GridRun
                default=None)
     total = stored_before + len(todo)
     report(stored_before, total, "resuming" if stored_before else "starting")
+    tuner.compile_ahead(todo)  # all known now: the compile processes run ahead of the GPU
     for c in todo:
         t0 = time.perf_counter()
         out = tuner.evaluate(c)
@@ -84,7 +89,8 @@ def run_grid(tuner: PointTuner, progress: GridProgress | None = None) -> GridRun
         report(stored_before + timed, total,
                f"{out.status}, best {best:.2f} µs" if best is not None else out.status)
     result = tuner.finish() if any(r.status == "ok" for r in results.values()) else None
-    return GridRun(size, stored_before, timed, spent, result)
+    return GridRun(size, stored_before, timed, spent, result, tuner.compile_s,
+                   tuner.compiled_ahead)
 
 
 # ---- reading a grid back -------------------------------------------------------------------

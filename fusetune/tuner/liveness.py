@@ -14,6 +14,11 @@ from fusetune.db.store import Store
 HEARTBEAT_S = 10.0  # how often a running trial's heartbeat is written
 GRACE_S = 60.0  # a heartbeat older than this means the process that wrote it is gone
 HOST = socket.gethostname()
+# Claims that a Heartbeat of this process holds now, as (row id, point id, trial number) of
+# ft_running: the threads of one search on several devices may share a point, and each must see
+# the others' claims as live.
+_HELD: set[tuple[int, int, int]] = set()
+_HELD_LOCK = threading.Lock()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -37,13 +42,17 @@ def is_stale(row: RunningRow | None, started: datetime | None, now: datetime | N
     Its claim row is missing and the trial is older than the grace period (a live search writes
     the row right after asking for the trial), or its process on this host is gone, or its
     heartbeat is older than the grace period (another host, or a reused pid). A trial claimed
-    by this very process is stale too: it is only asked while this process starts a point."""
+    by this very process is stale unless one of its threads holds the claim now (a search on
+    several devices): a claim left by an earlier run is one its process no longer runs."""
     now = now or datetime.now(timezone.utc)
     grace = timedelta(seconds=grace_s)
     if row is None:
         return started is None or now - _aware(started) > grace
-    if row.host == HOST and (row.pid == os.getpid() or not _pid_alive(row.pid)):
-        return True  # this process is starting the point, so it runs none of its trials
+    if row.host == HOST and row.pid == os.getpid():
+        with _HELD_LOCK:
+            return (row.id, row.point_id, row.trial_number) not in _HELD
+    if row.host == HOST and not _pid_alive(row.pid):
+        return True
     return now - _aware(row.heartbeat_at) > grace
 
 
@@ -73,6 +82,11 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._id: int | None = None
 
+    @property
+    def _held(self) -> tuple[int, int, int]:
+        assert self._id is not None
+        return (self._id, self.point_id, self.trial_number)
+
     def _claim(self) -> int:
         for _ in range(5):
             got = self.store.claim_running(self.point_id, self.trial_number, HOST, os.getpid(),
@@ -90,6 +104,8 @@ class Heartbeat:
 
     def __enter__(self) -> Heartbeat:
         self._id = self._claim()
+        with _HELD_LOCK:
+            _HELD.add(self._held)
         self._thread = threading.Thread(target=self._run, name="fusetune-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -108,4 +124,10 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join()
         if self._id is not None:
-            self.store.release(self._id)
+            # Live until its row is gone (so that no other thread takes it over meanwhile); a
+            # row id that the release frees comes back with another trial number.
+            try:
+                self.store.release(self._id)
+            finally:
+                with _HELD_LOCK:
+                    _HELD.discard(self._held)

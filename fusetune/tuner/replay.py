@@ -92,10 +92,13 @@ def replay_once(grid: StoredGrid, space: SearchSpace, spec: KernelSpec, strategy
         # GPSampler fits pruned and failed configs (told +inf) at the worst finite value.
         warnings.filterwarnings("ignore", message="Clip non-finite values")
         while tally.evaluations < budget and tally.best > stop_at:
-            proposal = proposer.next()
-            if proposal is None:
+            batch = proposer.next_batch(strategy.batch)
+            if not batch:
                 break
-            study.tell(proposal.trial, evaluate(proposal.key))
+            for proposal in batch:  # told one by one, as the search times them
+                if tally.evaluations >= budget or tally.best <= stop_at:
+                    break
+                study.tell(proposal.trial, evaluate(proposal.key))
     return ReplayRun(strategy.name, seed, tally.evaluations, proposer.asks, tally.best,
                      tally.reached, tally.order, time.perf_counter() - started)
 

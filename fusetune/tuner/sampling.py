@@ -1,8 +1,9 @@
 """How configs are picked: the samplers a study can use, and the ask loop around them.
 
-`SEARCH_STRATEGY` is what `fusetune search` runs. `fusetune evaluate-search` replays it and the
-other strategies against stored timings through the same `Proposer` and the same sampler
-factories, so that what is measured there is what the search does.
+`SEARCH_STRATEGY` is what `fusetune search` runs (`BATCH_SEARCH_STRATEGY` when it compiles
+ahead). `fusetune evaluate-search` replays them and the other strategies against stored timings
+through the same `Proposer` and the same sampler factories, so that what is measured there is
+what the search does.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import random
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 import optuna
@@ -22,6 +23,9 @@ from fusetune.tuner.space import Plan, SearchSpace, config_key
 # Repeats in a row (the sampler proposing configs already known) before an untried config is
 # enqueued: small spaces get covered instead of sampled again and again.
 REPEATS_BEFORE_NUDGE = 3
+# Configs asked at a time by a search that compiles ahead (--compile-workers): they compile in
+# parallel while the GPU times them one by one; the sampler sees their results after the batch.
+SEARCH_BATCH = 4
 
 
 def max_asks(target: int) -> int:
@@ -32,21 +36,25 @@ def max_asks(target: int) -> int:
 def _search_sampler(seed: int, target: int) -> optuna.samplers.BaseSampler:
     # Multivariate TPE models the tile sizes jointly (they interact through shared memory and
     # occupancy); few random start-up trials because the default and neighbours' winners are
-    # enqueued first and the budget is small.
-    return optuna.samplers.TPESampler(seed=seed, multivariate=True,
+    # enqueued first and the budget is small. The constant liar counts the trials still
+    # running (a batch asked ahead, other searches' trials) as bad, so the configs asked
+    # together differ; with no trial running it changes nothing.
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True,
                                       n_startup_trials=max(4, min(10, target // 4)))
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """A way of choosing configs: an Optuna sampler and whether the study starts from the
-    default config and the neighbouring points' winners."""
+    """A way of choosing configs: an Optuna sampler, whether the study starts from the
+    default config and the neighbouring points' winners, and how many configs are asked at a
+    time (the sampler learns their results only after the whole batch)."""
 
     name: str
     description: str
     make: Callable[[int, int], optuna.samplers.BaseSampler]  # (seed, target evaluations)
     seeded: bool = False
     needs: tuple[str, ...] = ()  # modules the sampler imports when it runs
+    batch: int = 1
 
     def missing(self) -> list[str]:
         """The modules this strategy needs that are not installed."""
@@ -69,9 +77,13 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              "and the nearest points' winners first", _search_sampler, seeded=True),
     Strategy("fusetune-cold", "the search's sampler without the default config and the "
              "neighbours' winners", _search_sampler),
+    Strategy("fusetune-batch", "what `fusetune search` does when it compiles ahead: "
+             f"fusetune, with {SEARCH_BATCH} configs asked at a time", _search_sampler,
+             seeded=True, batch=SEARCH_BATCH),
 )}
-SEARCH_STRATEGY = STRATEGIES["fusetune"]
-DEFAULT_STRATEGIES = ("random", "tpe", "gp", "fusetune")
+SEARCH_STRATEGY = STRATEGIES["fusetune"]  # one config at a time
+BATCH_SEARCH_STRATEGY = STRATEGIES["fusetune-batch"]  # with compile workers
+DEFAULT_STRATEGIES = ("random", "tpe", "gp", "fusetune", "fusetune-batch")
 
 
 def get_strategy(name: str) -> Strategy:
@@ -95,7 +107,7 @@ class Proposer:
     `REPEATS_BEFORE_NUDGE` repeats in a row an untried feasible config, chosen at random, is
     enqueued. `known(key)` is the objective value of a config (None if not known yet); the caller
     evaluates each proposal and tells the study. `on_repeat(trial, key)` may annotate the trial
-    of a repeat before it is told.
+    of a repeat before it is told. `next_batch(n)` asks for n distinct configs at once.
     """
 
     def __init__(self, study: optuna.Study, space: SearchSpace, spec: KernelSpec, point: Point,
@@ -140,15 +152,18 @@ class Proposer:
             self._waiting.add(key)
         return direct
 
-    def _nudge(self) -> None:
-        todo = [c for c in self.plan.feasible if self.known(config_key(c)) is None]
+    def _nudge(self, pending: Collection[str] = ()) -> None:
+        todo = [c for c in self.plan.feasible
+                if self.known(key := config_key(c)) is None and key not in pending]
         if todo:
             params = self.params_of(self.rng.choice(todo))
             if params is not None:
                 self.study.enqueue_trial(params)
 
-    def next(self) -> Proposal | None:
-        """The next config to evaluate, or None once `limit` asks brought nothing new."""
+    def next(self, pending: Collection[str] = ()) -> Proposal | None:
+        """The next config to evaluate, or None once `limit` asks brought nothing new.
+        `pending`: keys of configs proposed already and not evaluated yet (a batch); a trial
+        proposing one of them again fails, as it has no value to be told yet."""
         while self.asks < self.limit:
             self.asks += 1
             trial = self.study.ask()
@@ -156,17 +171,35 @@ class Proposer:
             key = config_key(config)
             self._waiting.discard(key)
             trial.set_user_attr("config", config)
-            value = self.known(key)
-            if value is None:
-                self._repeats = 0
-                return Proposal(trial, config, key)
-            # Never redone: the known value answers (repeats happen in small spaces).
-            trial.set_user_attr("repeat_of", key)
-            if self.on_repeat is not None:
-                self.on_repeat(trial, key)
-            self.study.tell(trial, value)
+            if key in pending:
+                trial.set_user_attr("repeat_of", key)
+                trial.set_user_attr("status", "repeat")
+                self.study.tell(trial, state=TrialState.FAIL)
+            else:
+                value = self.known(key)
+                if value is None:
+                    self._repeats = 0
+                    return Proposal(trial, config, key)
+                # Never redone: the known value answers (repeats happen in small spaces).
+                trial.set_user_attr("repeat_of", key)
+                if self.on_repeat is not None:
+                    self.on_repeat(trial, key)
+                self.study.tell(trial, value)
             self._repeats += 1
             if self._repeats >= REPEATS_BEFORE_NUDGE:
-                self._nudge()
+                self._nudge(pending)
                 self._repeats = 0
         return None
+
+    def next_batch(self, n: int) -> list[Proposal]:
+        """Up to `n` proposals of distinct configs, asked one after the other before any is
+        told (fewer once `limit` asks brought nothing new)."""
+        out: list[Proposal] = []
+        keys: set[str] = set()
+        while len(out) < n:
+            proposal = self.next(keys)
+            if proposal is None:
+                break
+            out.append(proposal)
+            keys.add(proposal.key)
+        return out

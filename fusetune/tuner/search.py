@@ -35,16 +35,30 @@ class Target:
     gpu: GpuSpec
     device: str  # "cuda:N" | "cpu"
     notes: list[str] = field(default_factory=list)
+    # --devices: every device to measure on at once ("cuda:N", one worker each; `device` is the
+    # first). Empty: one device, the search as without --devices.
+    devices: tuple[str, ...] = ()
 
 
-def choose_target(backend: str, gpu_name: str | None, dry_run: bool) -> Target:
-    """Resolves --backend/--gpu into a Target. Sets TRITON_INTERPRET for the interpreter.
+def choose_target(backend: str, gpu_name: str | None, dry_run: bool,
+                  devices: str | None = None) -> Target:
+    """Resolves --backend/--gpu/--devices into a Target. Sets TRITON_INTERPRET for the
+    interpreter.
+
+    `devices` ("all" or indices such as "0,1") selects several CUDA devices of one GPU model
+    (see `gpus.select_devices`); it needs the cuda backend.
 
     Must run before the kernel modules are imported: Triton reads TRITON_INTERPRET when a
     kernel is defined.
     """
     if backend not in BACKEND_CHOICES:
         raise SearchError(f"unknown backend {backend!r}; valid: {', '.join(BACKEND_CHOICES)}")
+    if devices is not None and not dry_run:
+        if backend == "interpreter":
+            raise SearchError(f"--devices {devices} selects CUDA devices, and the interpreter "
+                              "backend runs configs on the CPU: leave out --devices (--isolate "
+                              "runs them in a worker process)")
+        return _devices_target(devices, gpu_name)
     if dry_run:  # needs no GPU: only the named GPU's limits
         if gpu_name:
             return Target("cuda", gpus.resolve(gpu_name), "none")
@@ -86,6 +100,20 @@ def choose_target(backend: str, gpu_name: str | None, dry_run: bool) -> Target:
 
     torch.cuda.set_device(found.index)
     return Target("cuda", found.spec, f"cuda:{found.index}")
+
+
+def _devices_target(devices: str, gpu_name: str | None) -> Target:
+    """The cuda Target of --devices: the selected devices, all of one GPU model."""
+    try:
+        found = gpus.select_devices(devices, gpu_name)
+    except (ValueError, gpus.GpuNotFoundError) as e:  # UnknownGpuError is a ValueError
+        raise SearchError(str(e)) from None
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SearchError("TRITON_INTERPRET is set, so kernels would run on the CPU: unset it "
+                          "to tune on the GPU, or use --backend interpreter without --devices")
+    # Nothing runs on a GPU in this process: each device's worker subprocess binds its own.
+    names = tuple(f"cuda:{g.index}" for g in found)
+    return Target("cuda", found[0].spec, names[0], devices=names)
 
 
 def parse_dims(spec_dim_names: Sequence[str], model: str | None, dim: int | None,

@@ -82,7 +82,7 @@ def config_key(config: Mapping[str, int]) -> str:
     return json.dumps(dict(sorted(config.items())), separators=(",", ":"))
 
 
-def _parse_param(name: str, body: Any, where: str) -> Param:
+def _parse_param(name: str, body: Any, where: str, flag: bool = False) -> Param:
     if not isinstance(body, Mapping) or len(body) != 1:
         raise SpaceError(f"{where}: parameter {name!r} must be {{pow2: [lo, hi]}} or "
                          f"{{values: [...]}}, got {body!r}")
@@ -97,11 +97,14 @@ def _parse_param(name: str, body: Any, where: str) -> Param:
         lo, hi = arg[0].bit_length() - 1, arg[1].bit_length() - 1
         return Param(name, "pow2", tuple(1 << e for e in range(lo, hi + 1)))
     if kind == "values":
+        # A flag of the kernel (KernelSpec.flags) takes 0 and 1, any other key positive values.
         ok = isinstance(arg, list) and arg and all(
-            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in arg)
+            isinstance(v, int) and not isinstance(v, bool) and (v in (0, 1) if flag else v > 0)
+            for v in arg)
         if not ok:
-            raise SpaceError(f"{where}: {name}: values needs a non-empty list of positive "
-                             f"integers, got {arg!r}")
+            what = "0 and/or 1" if flag else "positive integers"
+            raise SpaceError(f"{where}: {name}: values needs a non-empty list of {what}, got "
+                             f"{arg!r}")
         return Param(name, "values", tuple(sorted(set(arg))))
     raise SpaceError(f"{where}: {name}: unknown kind {kind!r}; valid: pow2, values")
 
@@ -123,7 +126,8 @@ def parse_space(text: str, spec: KernelSpec, source: str) -> SearchSpace:
     if sorted(names) != sorted(spec.config_keys):
         raise SpaceError(f"{source}: params are {', '.join(map(str, names))}; a {spec.name} "
                          f"space has exactly {', '.join(spec.config_keys)}")
-    params = tuple(_parse_param(n, params_raw[n], source) for n in spec.config_keys)
+    params = tuple(_parse_param(n, params_raw[n], source, n in spec.flags)
+                   for n in spec.config_keys)
     for p in params:
         if p.name in spec.pow2_keys and any(v & (v - 1) for v in p.values):
             raise SpaceError(f"{source}: {p.name} must hold powers of two, got {p.values}")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
 import statistics
+import threading
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -19,8 +21,15 @@ from fusetune.db.store import PointKey, Store
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._spec import Config, Cost, KernelSpec, Point
 from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
+from fusetune.tuner.compile_ahead import COMPILED, CompileAhead
 from fusetune.tuner.liveness import ClaimedElsewhere, Heartbeat, is_stale
-from fusetune.tuner.sampling import SEARCH_STRATEGY, Proposer, max_asks
+from fusetune.tuner.sampling import (
+    BATCH_SEARCH_STRATEGY,
+    SEARCH_STRATEGY,
+    Proposal,
+    Proposer,
+    max_asks,
+)
 from fusetune.tuner.seeds import neighbour_winners, start_configs
 from fusetune.tuner.space import Plan, SearchSpace, config_key, make_plan
 from fusetune.tuner.worker import Worker
@@ -28,6 +37,7 @@ from fusetune.tuner.worker import Worker
 INTERRUPTED = "interrupted: the search stopped while this trial ran; it is tried again on resume"
 WAIT_POLL_S = 0.5  # how often a finishing search looks whether others' trials on its point ended
 CLAIM_DELAY_S = 2.0  # ample time for a live search to claim the trial it has just asked for
+NOT_RUN = "skipped: asked with a batch, the search stopped before running it"
 
 
 @dataclass
@@ -53,6 +63,15 @@ class Context:
     triton_version: str
     torch_version: str
     worker: Worker | None = None  # run configs in this subprocess (None: in this process)
+    # Compile processes that compile the configs ahead of `device` (None: it compiles them)
+    compiler: CompileAhead | None = None
+
+    def close(self) -> None:
+        """Stops the worker and the compile processes."""
+        if self.worker is not None:
+            self.worker.close()
+        if self.compiler is not None:
+            self.compiler.close()
 
     def key(self, point: Point) -> PointKey:
         return PointKey(
@@ -73,6 +92,8 @@ class PointResult:
     n_evaluated: int = 0  # distinct configs with a stored result (this run and earlier ones)
     n_new: int = 0  # evaluated in this run
     statuses: Counter[str] = field(default_factory=Counter)
+    compile_s: float = 0.0  # seconds this run's evaluations spent compiling (and checking)
+    compiled_ahead: int = 0  # of this run's evaluations, those compiled ahead (see Context)
 
     @property
     def speedup(self) -> float | None:
@@ -152,6 +173,8 @@ class PointTuner:
         self.feasible_keys = {config_key(c) for c in self.plan.feasible}
         self._evaluator: Evaluator | Worker | None = None
         self.n_new = 0
+        self.compile_s = 0.0  # in the evaluating process (its outcomes' compile_s), this run
+        self.compiled_ahead = 0  # configs evaluated after the compile processes compiled them
 
     @staticmethod
     def _tell(study: optuna.Study, trial: optuna.Trial, out: Outcome) -> None:
@@ -186,25 +209,47 @@ class PointTuner:
         row = self.results[key]
         return row.time_us if row.status == "ok" and row.time_us is not None else math.inf
 
-    def _store(self, config: Config, out: Outcome, trial_number: int | None) -> None:
+    def _store(self, config: Config, out: Outcome, trial_number: int | None,
+               device: str | None = None) -> None:
         key = config_key(config)
         self.results[key] = self.ctx.store.record(
             self.point_id, key, config, out.status, out.reason, time_us=out.time_us,
             p20_us=out.p20_us, p80_us=out.p80_us, rel_err=out.rel_err, compile_s=out.compile_s,
-            trial_number=trial_number)
+            trial_number=trial_number, device=device, n_regs=out.n_regs, n_spills=out.n_spills,
+            smem_bytes=out.smem_bytes)
+
+    def compile_ahead(self, configs: Iterable[Config]) -> None:
+        """Has the context's compile processes (if any) compile `configs`, in this order, ahead
+        of their evaluation; pruned and stored configs are left out."""
+        if self.ctx.compiler is not None:
+            self.ctx.compiler.submit(self.point, [
+                c for c in configs if config_key(c) not in self.plan.infeasible
+                and config_key(c) not in self.results])
+
+    def _compiled_ahead(self, config: Config) -> bool:
+        """Waits for the config's compile ahead, if a process has it; whether it is done."""
+        if self.ctx.compiler is None:
+            return False
+        cancel = getattr(self.ctx.worker, "cancel", None)  # a device search stopping
+        return self.ctx.compiler.wait(self.point, config, cancel) == COMPILED
 
     def _evaluate(self, config: Config, trial_number: int | None) -> Outcome:
         key = config_key(config)
+        device = None  # a pruned config runs nowhere
         if key in self.plan.infeasible:
             out = Outcome("infeasible", self.plan.infeasible[key])
         else:
+            device = self.ctx.device
+            ahead = self._compiled_ahead(config)
             try:
                 out = self.evaluator.evaluate(config)
             except DeviceLostError as exc:
-                self._store(config, Outcome("crashed", str(exc)), trial_number)
+                self._store(config, Outcome("crashed", str(exc)), trial_number, device)
                 raise
             self.n_new += 1
-        self._store(config, out, trial_number)
+            self.compiled_ahead += ahead
+            self.compile_s += out.compile_s or 0.0
+        self._store(config, out, trial_number, device)
         return out
 
     # -- the study -----------------------------------------------------------------------------
@@ -229,9 +274,19 @@ class PointTuner:
         return self._evaluate(config, None)
 
     def run(self) -> PointResult:
+        """Samples the point's configs up to its budget, then picks and stores its winner."""
+        self.sample()
+        return self.finish()
+
+    def sample(self) -> None:
+        """Evaluates configs until the point's budget is reached (with the configs any other
+        search stored or is evaluating on it), the time budget is spent or the sampler has
+        nothing new. A search that joins a point another one is tuning calls only this: the
+        other one picks the winner from every result (`finish`)."""
         ctx, opts = self.ctx, self.options
         target = min(opts.trials, len(self.plan.feasible))
-        strategy = SEARCH_STRATEGY
+        # Compiling ahead: configs are asked a batch at a time, compiled in parallel, timed in turn
+        strategy = SEARCH_STRATEGY if ctx.compiler is None else BATCH_SEARCH_STRATEGY
         study = optuna.create_study(
             storage=ctx.storage, study_name=self.key.study_name, direction="minimize",
             load_if_exists=True, sampler=strategy.sampler(opts.seed, target))
@@ -254,39 +309,53 @@ class PointTuner:
         if strategy.seeded and self._evaluated_feasible() < target:
             neighbours = neighbour_winners(ctx.store, self.key, self.point_id)
             starts = start_configs(self.spec, self.point, self.plan, self.default, neighbours)
-            for c in proposer.enqueue(starts):  # outside the YAML space: run it directly
+            direct = proposer.enqueue(starts)  # outside the YAML space: run them directly
+            self.compile_ahead(direct)
+            for c in direct:
                 self._evaluate(c, None)
 
         started = time.monotonic()
-        # Steers this search off configs that others are evaluating; seeded per process so that
-        # two searches do not steer to the same config.
-        elsewhere_rng = random.Random(opts.seed * 1_000_003 + os.getpid())
-        while True:
-            # Searches on one point share its budget: the configs any of them stored, and those
-            # another one is evaluating right now, count.
-            self._refresh()
-            busy = set(self._claims_elsewhere().values()) & self.feasible_keys
-            if self._evaluated_feasible() + len(busy) >= target:
-                break
-            if opts.time_budget_s is not None and time.monotonic() - started > opts.time_budget_s:
-                break
-            try:
-                proposal = proposer.next()
-                if proposal is None:  # the sampler keeps proposing what was done: stop
+        # Steers this search off configs that others are evaluating; seeded per process and
+        # thread so that two searches do not steer to the same config.
+        elsewhere_rng = random.Random(opts.seed * 1_000_003 + os.getpid()
+                                      + threading.get_ident())
+        ahead: deque[Proposal] = deque()  # asked with the current batch, not run yet
+        try:
+            while True:
+                # Searches on one point share its budget: the configs any of them stored, and
+                # those another one is evaluating right now, count.
+                self._refresh()
+                busy = set(self._claims_elsewhere().values()) & self.feasible_keys
+                room = target - self._evaluated_feasible() - len(busy)
+                if room <= 0:
                     break
-                if not self._run_trial(study, proposal.trial, proposal.config, target):
-                    # The sampler may well propose that config again while it runs elsewhere
-                    # (a failed trial teaches it nothing): offer it one nobody has.
-                    taken = busy | {proposal.key}
-                    todo = [c for c in self.plan.feasible
-                            if config_key(c) not in self.results and config_key(c) not in taken]
-                    if todo:
-                        proposer.enqueue([elsewhere_rng.choice(todo)])
-            except optuna.exceptions.UpdateFinishedTrialError:
-                # Another search was handed this very trial (on SQLite, Optuna's queue has no
-                # row locks) and finished it; that search stored its result.
-                continue
-        return self.finish()
+                if (opts.time_budget_s is not None
+                        and time.monotonic() - started > opts.time_budget_s):
+                    break
+                try:
+                    if not ahead:
+                        ahead.extend(proposer.next_batch(min(strategy.batch, room)))
+                        if not ahead:  # the sampler keeps proposing what was done: stop
+                            break
+                        self.compile_ahead([p.config for p in ahead])
+                    proposal = ahead.popleft()
+                    if not self._run_trial(study, proposal.trial, proposal.config, target):
+                        # The sampler may well propose that config again while it runs
+                        # elsewhere (a failed trial teaches it nothing): offer it one nobody has.
+                        taken = busy | {proposal.key} | {p.key for p in ahead}
+                        todo = [c for c in self.plan.feasible if config_key(c) not in
+                                self.results and config_key(c) not in taken]
+                        if todo:
+                            proposer.enqueue([elsewhere_rng.choice(todo)])
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    # Another search was handed this very trial (on SQLite, Optuna's queue has
+                    # no row locks) and finished it; that search stored its result.
+                    continue
+        finally:
+            for p in ahead:  # the budget was reached (or the search stopped) before them
+                # (if the database fails now, a later search fails them as stale)
+                with contextlib.suppress(Exception):
+                    _fail(study, p.trial, "skipped", NOT_RUN)
 
     def _run_trial(self, study: optuna.Study, trial: optuna.Trial, config: Config,
                    target: int) -> bool:
@@ -348,7 +417,8 @@ class PointTuner:
         cost = self.spec.cost(self.point)
         res = PointResult(self.point, cost, default_config=self.default,
                           n_evaluated=len(self.results), n_new=self.n_new,
-                          statuses=Counter(r.status for r in self.results.values()))
+                          statuses=Counter(r.status for r in self.results.values()),
+                          compile_s=self.compile_s, compiled_ahead=self.compiled_ahead)
         ok = sorted((r for r in self.results.values() if r.status == "ok" and r.time_us),
                     key=lambda r: r.time_us)
         if not ok:

@@ -13,6 +13,8 @@ import importlib
 import multiprocessing as mp
 import os
 import signal
+import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -20,6 +22,7 @@ from fusetune.kernels._spec import Config, KernelSpec, Point
 from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
 
 EXIT_DEVICE_LOST = 3
+CANCEL_POLL_S = 0.1  # how often a call waiting for the worker looks whether it was cancelled
 
 
 def resolve_spec(ref: str) -> KernelSpec:
@@ -37,6 +40,10 @@ def resolve_spec(ref: str) -> KernelSpec:
 def _serve(conn: Connection, spec_ref: str, backend: str, device: str) -> None:
     """The worker's loop: ("point", point, seed) | ("eval", config) | ("time", config)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if backend == "cuda":  # Triton launches and do_bench time on the current device
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
     spec = resolve_spec(spec_ref)
     evaluator: Evaluator | None = None
     while True:
@@ -75,11 +82,18 @@ def _death(proc: mp.process.BaseProcess) -> str:
 
 
 class Worker:
-    """One worker process for one device; restarted after a crash or a timeout."""
+    """One worker process for one device; restarted after a crash or a timeout.
 
-    def __init__(self, spec_ref: str, backend: str, device: str, timeout_s: float) -> None:
+    `cancel`: once this event is set, a call waiting for the worker (or about to start it)
+    raises KeyboardInterrupt within CANCEL_POLL_S, as Ctrl-C does in the main thread: the config
+    it was running is neither a result nor a failure. It lets another thread stop a search whose
+    calls run in this thread (several devices at once)."""
+
+    def __init__(self, spec_ref: str, backend: str, device: str, timeout_s: float,
+                 cancel: threading.Event | None = None) -> None:
         self.spec_ref, self.backend, self.device = spec_ref, backend, device
         self.timeout_s = timeout_s
+        self.cancel = cancel
         self.restarts = 0
         self._ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
         self._proc: mp.process.BaseProcess | None = None
@@ -88,7 +102,12 @@ class Worker:
 
     # -- process management --------------------------------------------------------------------
 
+    def _check_cancel(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise KeyboardInterrupt("the search is stopping")
+
     def _start(self) -> None:
+        self._check_cancel()
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_serve, args=(child, self.spec_ref, self.backend,
                                                       self.device), daemon=True,
@@ -119,12 +138,13 @@ class Worker:
 
     def _call(self, msg: tuple[Any, ...], timeout_s: float) -> tuple[Any, ...] | None:
         """Sends `msg`; the reply, or None if the worker died or did not answer in time."""
+        self._check_cancel()
         if self._proc is None:
             self._start()
         assert self._conn is not None and self._proc is not None
         try:
             self._conn.send(msg)
-            if self._conn.poll(timeout_s):
+            if self._wait(timeout_s):
                 return self._conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
             pass
@@ -133,6 +153,20 @@ class Worker:
         return None
 
     _last_death = ""
+
+    def _wait(self, timeout_s: float) -> bool:
+        """Whether a reply is there within `timeout_s`; see `cancel`."""
+        assert self._conn is not None
+        if self.cancel is None:
+            return self._conn.poll(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if self._conn.poll(max(0.0, min(left, CANCEL_POLL_S))):
+                return True
+            self._check_cancel()
+            if left <= 0:
+                return False
 
     # -- the evaluator interface ---------------------------------------------------------------
 

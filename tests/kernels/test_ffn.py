@@ -77,10 +77,24 @@ def test_awkward_width_d3000(passes: int, split: int) -> None:
      "num_warps": 4, "num_stages": 2},
     {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "PASSES": 2, "SPLIT_K": 4,
      "num_warps": 4, "num_stages": 3},
+    # BLOCK_M = 1: one row per program, no tensor cores (the decode structure)
+    {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
+     "num_warps": 2, "num_stages": 1},
+    {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 64, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 2,
+     "num_warps": 4, "num_stages": 2},
 ])
 def test_configs_and_grouping(config: dict[str, int]) -> None:
     # 70 rows x 80 hidden: several row- and column-blocks, partial tiles on both edges.
     check(*make(70, 96, 80, torch.float16), config=config)
+
+
+@pytest.mark.parametrize(("passes", "split"), [(1, 1), (2, 1), (1, 4), (2, 16)])
+def test_gemv_awkward_width_d3000(passes: int, split: int) -> None:
+    # K = 3000 is not a multiple of BLOCK_K: the last step of the last K-slice is partial.
+    x, g, w1, w3 = make(3, 3000, 24, torch.float16)
+    check(x, g, w1, w3, config={"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 256, "GROUP_M": 1,
+                                "PASSES": passes, "SPLIT_K": split, "num_warps": 2,
+                                "num_stages": 1})
 
 
 def test_leading_shape_strides_and_eps() -> None:
@@ -178,3 +192,12 @@ def test_smem_model_covers_the_compiler(dtype: str) -> None:
 @pytest.mark.parametrize("m", [1, 37, 512])
 def test_gpu_llama_dims(dtype: torch.dtype, m: int) -> None:
     check(*make(m, 4096, 11008, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("m", "split"), [(1, 1), (1, 4), (5, 2)])
+def test_gpu_gemv_structure(dtype: torch.dtype, m: int, split: int) -> None:
+    check(*make(m, 4096, 11008, dtype), config={
+        "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "GROUP_M": 1, "PASSES": 1,
+        "SPLIT_K": split, "num_warps": 2, "num_stages": 1})

@@ -64,6 +64,13 @@ def test_awkward_width_d3000(passes: int, split: int) -> None:
                   "SPLIT_K": split, "num_warps": 4, "num_stages": 2})
 
 
+@pytest.mark.parametrize(("passes", "split"), [(1, 1), (2, 1), (1, 4), (2, 16)])
+def test_gemv_awkward_width_d3000(passes: int, split: int) -> None:
+    check(*make(3, 3000, 24, torch.float16),
+          config={"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 256, "GROUP_M": 1, "PASSES": passes,
+                  "SPLIT_K": split, "num_warps": 2, "num_stages": 1})
+
+
 @pytest.mark.parametrize("config", [
     {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
      "num_warps": 2, "num_stages": 2},
@@ -73,6 +80,13 @@ def test_awkward_width_d3000(passes: int, split: int) -> None:
      "num_warps": 4, "num_stages": 2},
     {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 16, "GROUP_M": 1, "PASSES": 2, "SPLIT_K": 4,
      "num_warps": 4, "num_stages": 3},
+    # BLOCK_M = 1: one row per program, no tensor cores (the decode structure)
+    {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
+     "num_warps": 2, "num_stages": 1},
+    {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 64, "GROUP_M": 4, "PASSES": 1, "SPLIT_K": 2,
+     "num_warps": 4, "num_stages": 1},
+    {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 2, "SPLIT_K": 4,
+     "num_warps": 2, "num_stages": 1},
 ])
 def test_configs_and_grouping(config: dict[str, int]) -> None:
     check(*make(70, 96, 80, torch.float16), config=config)
@@ -132,3 +146,12 @@ def test_smem_model_covers_the_compiler() -> None:
 @pytest.mark.parametrize(("m", "d", "n"), [(1, 4096, 16384), (512, 768, 3072), (37, 768, 3072)])
 def test_gpu_gpt_dims(dtype: torch.dtype, m: int, d: int, n: int) -> None:
     check(*make(m, d, n, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("m", "passes", "split"), [(1, 1, 1), (1, 2, 4), (3, 1, 2)])
+def test_gpu_gemv_structure(dtype: torch.dtype, m: int, passes: int, split: int) -> None:
+    check(*make(m, 4096, 16384, dtype), config={
+        "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": passes,
+        "SPLIT_K": split, "num_warps": 4, "num_stages": 1})

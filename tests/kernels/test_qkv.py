@@ -6,11 +6,14 @@ import warnings
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fusetune
 from fusetune import gpus
 from fusetune.kernels import qkv as qkv_mod
 from fusetune.kernels._spec import ConfigError, Point, check_fits
+from fusetune.kernels._trig import sincos
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
@@ -103,6 +106,11 @@ def test_llama_head_layouts(nh: int, nkv: int, hd: int, interleaved: bool) -> No
      "num_warps": 4, "num_stages": 2},
     {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 2, "SPLIT_K": 2,
      "num_warps": 4, "num_stages": 3},
+    # BLOCK_M = 1: one row per program, no tensor cores (the decode structure)
+    {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
+     "num_warps": 2, "num_stages": 1},
+    {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 2,
+     "num_warps": 4, "num_stages": 2},
 ])
 def test_configs(config: dict[str, int]) -> None:
     # Blocks straddle heads and the Q/K/V boundaries, rows span several row-blocks.
@@ -160,3 +168,35 @@ def test_spec() -> None:
 @pytest.mark.parametrize("rows", [1, 300])
 def test_gpu_llama_dims(dtype: torch.dtype, interleaved: bool, rows: int) -> None:
     check(make(1, rows, 4096, 32, 8, 128, dtype), 128, start_pos=4000, interleaved=interleaved)
+
+
+@triton.jit
+def _sincos_kernel(A, S, C, N: tl.constexpr):
+    r = tl.arange(0, N)
+    s, c = sincos(tl.load(A + r))
+    tl.store(S + r, s)
+    tl.store(C + r, c)
+
+
+def test_sincos_accuracy() -> None:
+    """The epilogue's polynomial sin/cos against float64, over angles up to 1e5 radians."""
+    kernel = _sincos_kernel
+    n = 4096
+    a = torch.cat([torch.linspace(-10.0, 10.0, n // 2), torch.linspace(0.0, 1e5, n // 2)])
+    a = a.to(DEVICE)
+    s, c = torch.empty_like(a), torch.empty_like(a)
+    kernel[(1,)](a, s, c, n)
+    ad = a.double().cpu()
+    assert float((s.double().cpu() - ad.sin()).abs().max()) < 2e-6
+    assert float((c.double().cpu() - ad.cos()).abs().max()) < 2e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_gemv_structure(dtype: torch.dtype, interleaved: bool, rows: int) -> None:
+    config = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
+              "SPLIT_K": 2, "num_warps": 4, "num_stages": 2}
+    check(make(1, rows, 4096, 32, 8, 128, dtype), 128, start_pos=4000, interleaved=interleaved,
+          config=config)

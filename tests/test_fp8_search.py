@@ -1,0 +1,98 @@
+"""Searching FP8 points: `fusetune search --weights`, the stored points, the exported table's
+`weights`, and the runtime lookup that FP8 weights take (interpreter, in subprocesses as in
+test_cli.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+import fusetune
+from fusetune import cli
+from fusetune.db.store import Store
+
+
+def interp_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    env.pop(fusetune.tables.ENV_VAR, None)
+    return env
+
+
+def search(db_url: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fusetune.cli", "search", "--backend", "interpreter", "--db",
+         db_url, *args], cwd=cwd, env=interp_env(), capture_output=True, text=True,
+        timeout=300, check=False)
+
+
+@pytest.mark.slow
+def test_fp8_search_export_lookup(sqlite_url: str, tmp_path: Path, fresh_tables: None) -> None:
+    dims = {"dim": 64, "hidden": 48}
+    proc = search(sqlite_url, tmp_path, "--kernel", "ffn", "--weights", "fp8-e4m3", "--dims",
+                  "dim=64,hidden=48", "--batch", "2", "--seq", "3", "--dtype", "float16",
+                  "--trials", "6")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "w=fp8-e4m3" in proc.stdout  # the point's label
+    store = Store(sqlite_url)
+    ((point,),) = [[p for p in store.points() if p.kernel == "ffn"]]
+    assert point.weights == "fp8-e4m3"
+    ok = [r for r in store.results(point.id).values() if r.status == "ok"]
+    assert len(ok) >= 6
+    out = tmp_path / "tables.yaml"
+    exported = CliRunner().invoke(cli.main, ["export", str(out), "--db", sqlite_url])
+    assert exported.exit_code == 0, exported.output
+    (entry,) = yaml.safe_load(out.read_text())["gpus"]["interpreter"]["ffn"]
+    assert entry["weights"] == "fp8-e4m3" and "ACT_FP8" in entry["config"]
+    fusetune.load_tables(out)
+    ((_, winner),) = store.winners(kernel="ffn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusetune.FusetuneWarning)
+        assert fusetune.lookup("ffn", dims, "float16", rows=6, weights="fp8-e4m3",
+                               gpu="interpreter") == winner.config
+        if not torch.cuda.is_available():  # the kernel itself looks it up for FP8 weights
+            x = torch.randn(2, 3, 64, dtype=torch.float16)
+            w1, s1 = fusetune.quantize_fp8(torch.randn(48, 64) / 8)
+            w3, s3 = fusetune.quantize_fp8(torch.randn(48, 64) / 8)
+            fusetune.ffn(x, torch.ones(64, dtype=torch.float16), w1, w3, w1_scale=s1,
+                         w3_scale=s3)
+    # 16-bit weights are another point: not tuned here.
+    with pytest.warns(fusetune.FusetuneWarning, match="no tuned config"):
+        fusetune.lookup("ffn", dims, "float16", rows=6, gpu="interpreter")
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--kernel", "rope", "--weights", "fp8-e4m3"], "rope has no weights"),
+    (["--kernel", "ffn", "--weights", "fp16", "--dtype", "float16,bfloat16"],
+     "weights fp16 with bfloat16 activations"),
+    (["--kernel", "qkv", "--weights", "int8"],
+     "unknown weight format 'int8'; valid: fp8-e4m3, fp8-e5m2, fp16, bf16"),
+])
+def test_weights_option_errors_name_the_choices(args: list[str], expected: str) -> None:
+    r = CliRunner().invoke(cli.main, ["search", *args, "--gpu", "h100", "--dry-run"])
+    assert r.exit_code != 0 and expected in r.output, r.output
+
+
+def test_dry_run_prunes_act_fp8_without_fp8_tensor_cores() -> None:
+    plan = {}
+    for gpu in ("3090", "h100"):
+        r = CliRunner().invoke(cli.main, [
+            "search", "--kernel", "lola", "--gpu", gpu, "--weights", "fp8-e5m2", "--dry-run",
+            "--batch", "4096", "--seq", "1", "--dtype", "float16"])
+        assert r.exit_code == 0, r.output
+        plan[gpu] = r.output
+    assert "fp8-tensor-cores" in plan["3090"] and "fp8-tensor-cores" not in plan["h100"]
+    # fp16 weights (the same as bf16 with bfloat16 activations): ACT_FP8 collapses, nothing
+    # is pruned for it.
+    r = CliRunner().invoke(cli.main, [
+        "search", "--kernel", "lola", "--gpu", "3090", "--weights", "fp16", "--dry-run",
+        "--batch", "4096", "--seq", "1", "--dtype", "float16"])
+    assert r.exit_code == 0 and "fp8-tensor-cores" not in r.output, r.output
