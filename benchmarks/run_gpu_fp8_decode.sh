@@ -4,16 +4,7 @@
 # those tables. Packed into $OUT/fp8_decode.tgz after each step.
 #   source .whl/setup.sh && bash benchmarks/run_gpu_fp8_decode.sh
 set -uo pipefail
-final=${OUT:-bench_out}
-mkdir -p "$final"
-work=$(mktemp -d)
-pack() { tar czf "$final/fp8_decode.tgz" -C "$work" . ; }
-step() {  # step NAME SECONDS COMMAND...: run, log to $work/NAME.log, pack
-  local name=$1 limit=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout -s INT "$limit" "$@" > "$work/$name.log" 2>&1
-  echo "=== $name rc=$?"; tail -n 12 "$work/$name.log" | grep -v "━"; pack
-}
+source "$(dirname "$0")/gpu_steps.sh" fp8_decode
 step pytest_gpu_fp8_rest 40 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
   tests/kernels/test_fp8.py -k "e4m3_from_bytes or smem_model"
 db="sqlite:///$work/fp8_decode.db"

@@ -6,17 +6,8 @@
 # $OUT/session.tgz after each step.
 #   source .whl/setup.sh && bash benchmarks/run_gpu_fp8_tuner.sh
 set -uo pipefail
-final=${OUT:-bench_out}
-mkdir -p "$final"
-work=$(mktemp -d)
+source "$(dirname "$0")/gpu_steps.sh" session
 gpu=${GPU:-h100}
-pack() { tar czf "$final/session.tgz" -C "$work" . ; }
-step() {  # step NAME SECONDS COMMAND...: run, log to $work/NAME.log, pack
-  local name=$1 limit=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout -s INT "$limit" "$@" > "$work/$name.log" 2>&1
-  echo "=== $name rc=$?"; tail -n 25 "$work/$name.log" | grep -v "━"; pack
-}
 step pytest_gpu 170 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests
 db="sqlite:///$work/fp8.db"
 step fp8_search 130 bash -c "for k in ffn qkv; do python3 -m fusetune.cli search --kernel \$k \

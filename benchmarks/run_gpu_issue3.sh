@@ -7,18 +7,9 @@
 # (like Ctrl-C) past its time limit; after each step everything so far is packed into
 # $OUT/issue3.tgz, so a cut-off run still returns what finished.
 set -uo pipefail
-final=${OUT:-bench_out}
-mkdir -p "$final"
-work=$(mktemp -d)
+source "$(dirname "$0")/gpu_steps.sh" issue3
 gpu=${GPU:-h100}
 ps=${POINT_S:-20}
-pack() { tar czf "$final/issue3.tgz" -C "$work" . ; }
-step() {  # step NAME SECONDS COMMAND...: run, log to $work/NAME.log, pack
-  local name=$1 limit=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout -s INT "$limit" "$@" > "$work/$name.log" 2>&1
-  echo "=== $name rc=$?"; tail -n 30 "$work/$name.log" | grep -v "━"; pack
-}
 step pytest_gpu 150 python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/kernels
 step planted 90 python3 -m benchmarks.planted_search --db "sqlite:///$work/planted.db" --trials 30
 for k in ffn qkv lola; do

@@ -7,18 +7,9 @@
 # $OUT/matmul.tgz, so a cut-off run still returns what finished.
 #   source .whl/setup.sh && bash benchmarks/run_gpu_matmul.sh
 set -uo pipefail
-final=${OUT:-bench_out}
-mkdir -p "$final"
-work=$(mktemp -d)
+source "$(dirname "$0")/gpu_steps.sh" matmul
 gpu=${GPU:-h100}
 ps=${POINT_S:-12}
-pack() { tar czf "$final/matmul.tgz" -C "$work" . ; }
-step() {  # step NAME SECONDS COMMAND...: run, log to $work/NAME.log, pack
-  local name=$1 limit=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout -s INT "$limit" "$@" > "$work/$name.log" 2>&1
-  echo "=== $name rc=$?"; tail -n 25 "$work/$name.log" | grep -v "━"; pack
-}
 cli() { python3 -m fusetune.cli "$@"; }
 step read_bw 45 python3 -m benchmarks.bench_read_bw --mb 180,100,134
 for k in ffn qkv lola; do

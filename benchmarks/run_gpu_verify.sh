@@ -5,16 +5,7 @@
 # limit; everything so far is packed into $OUT/verify.tgz after each step.
 #   source .whl/setup.sh && bash benchmarks/run_gpu_verify.sh
 set -uo pipefail
-final=${OUT:-bench_out}
-mkdir -p "$final"
-work=$(mktemp -d)
-pack() { tar czf "$final/verify.tgz" -C "$work" . ; }
-step() {  # step NAME SECONDS COMMAND...: run, log to $work/NAME.log, pack
-  local name=$1 limit=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout -s INT "$limit" "$@" > "$work/$name.log" 2>&1
-  echo "=== $name rc=$?"; tail -n 12 "$work/$name.log" | grep -v "━"; pack
-}
+source "$(dirname "$0")/gpu_steps.sh" verify
 step pytest_gpu 150 python3 -m pytest -m gpu -q -p no:cacheprovider -rf tests \
   --deselect tests/kernels/test_fp8.py
 step pytest_gpu_fp8 110 python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
