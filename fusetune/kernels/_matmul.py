@@ -293,9 +293,9 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2,
              "SPLIT_K": 1, "num_warps": 8, "num_stages": 3}
     # FP8 weights after a norm pass, on GPUs with FP8 tensor cores: FP8 activations too
-    # (ACT_FP8 = 1). On the H100 at M = 4096 that took 449-1234 µs where upcasting the weights
-    # in registers took 1265-2475 (qkv, ffn; e4m3 and e5m2; BENCHMARKS.md). Elsewhere the
-    # weights are upcast (ACT_FP8 = 0), what every GPU can run.
+    # (ACT_FP8 = 1): on the H100 at M = 4096 the same tiles took 449-1234 µs so, against
+    # 1265-2475 with the weights upcast in registers (qkv, ffn; e4m3 and e5m2; BENCHMARKS.md).
+    # Elsewhere the weights are upcast (ACT_FP8 = 0), what every GPU can run.
     fp8_mma = bool(point.weights) and gpu.fp8_tensor_cores and c["PASSES"] == 2
     c["ACT_FP8"] = int(fp8_mma)
     if m <= 16:
