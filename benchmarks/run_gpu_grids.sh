@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Exhaustive grids for `fusetune evaluate-search` on the GPU machine, within BUDGET_S seconds
-# (default 540). Resumable: a GRID_DB file (default .scratch/grid.db) travels with the working
+# (default 540). Resumable: a GRID_DB file (default grid.db, an ignored file) travels with the working
 # tree, is copied to $OUT/grid.db, completed there, and comes back. Replay the returned database
 # on any machine with `fusetune evaluate-search ... --no-grid`.
 set -u
 source .whl/setup.sh || exit 1
 python3 -c "import scipy" 2>/dev/null && echo "scipy present" || echo "scipy missing"
 mkdir -p "$OUT"
-grid_db=${GRID_DB:-.scratch/grid.db}
+grid_db=${GRID_DB:-grid.db}
 [ -f "$grid_db" ] && cp "$grid_db" "$OUT/grid.db"
 db=sqlite:///$OUT/grid.db
 deadline=$(( $(date +%s) + ${BUDGET_S:-540} ))
