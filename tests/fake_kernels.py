@@ -25,7 +25,7 @@ def log(line: str) -> None:
     path = os.environ.get(LOG_ENV)
     if path:
         with open(path, "a") as f:
-            f.write(f"{line} pid={os.getpid()} t={time.monotonic():.3f}\n")
+            f.write(f"{line} pid={os.getpid()} t={time.monotonic():.6f}\n")
 
 
 def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
