@@ -88,6 +88,42 @@ def scale_product(acc, SX, rows, rows_ok, SW, cols, cols_ok, ACT_FP8: tl.constex
 
 
 @triton.jit
+def rms_scaled_products(acc_a, acc_b, sumsq, K, eps, SX, rows, rows_ok, SA, cols_a, SB, cols_b,
+                        cols_ok, ACT_FP8: tl.constexpr, W_SCALED: tl.constexpr,
+                        PASSES: tl.constexpr):
+    """two_products' accumulators made final (after the split-K sums): the FP8 operands' scales
+    (scale_product: x's row scales, the weight rows cols_a / cols_b of SA / SB) and, with the
+    RMSNorm folded into the loop (PASSES == 1), the rows' rstd from their sums of x²."""
+    a = scale_product(acc_a, SX, rows, rows_ok, SA, cols_a, cols_ok, ACT_FP8, W_SCALED)
+    b = scale_product(acc_b, SX, rows, rows_ok, SB, cols_b, cols_ok, ACT_FP8, W_SCALED)
+    if PASSES == 1:
+        rstd = tl.rsqrt(sumsq / K + eps)[:, None]
+        a = a * rstd
+        b = b * rstd
+    return a, b
+
+
+@triton.jit
+def row_norm_stats(x_row, K, eps, RMS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(mean, rstd) in float32 of the row of K elements at x_row (unit stride), for the norm
+    passes: RMSNorm's (RMS: mean 0, rstd = rsqrt(mean(x²) + eps)) or LayerNorm's (two passes
+    over the row, the second from cache)."""
+    rk = tl.arange(0, BLOCK_K)
+    mean = 0.0
+    if not RMS:
+        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc += tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+        mean = tl.sum(acc, axis=0) / K
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+        d = tl.where(k0 + rk < K, x - mean, 0.0)  # masked lanes must not add mean²
+        acc += d * d
+    return mean, tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
+
+
+@triton.jit
 def two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, PASSES: tl.constexpr, IEEE: tl.constexpr,
@@ -395,4 +431,4 @@ def pipelined_smem(config: Config, elt: int, n_weights: int, epilogue: bool,
 # The jit helpers a kernel built on two_products compiles in: part of its source hash.
 TWO_PRODUCT_SOURCES = (grouped_tile, k_slice, partial_ptrs, two_products, mma_two_products,
                        gemv_two_products, two_partials_added, store_two_partials, dot,
-                       rms_scaled, mma_weight, scale_product)
+                       rms_scaled, mma_weight, scale_product, rms_scaled_products)

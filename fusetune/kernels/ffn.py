@@ -34,7 +34,7 @@ from fusetune.kernels._matmul import (
     gemv_resources,
     grouped_tile,
     pipelined_smem,
-    scale_product,
+    rms_scaled_products,
     store_two_partials,
     two_partials_added,
     two_products,
@@ -104,16 +104,9 @@ def _ffn_kernel(
         store_two_partials(WS, WSQ, acc1, acc3, sumsq, rm, rn, m_ok, mn_ok, M, N, pid_n == 0,
                            PASSES)
     else:
-        # The scales of the FP8 operands, on the whole sums: x's row scales, the channels' own.
-        acc1 = scale_product(acc1, SX, rm, m_ok, S1, rn, n_ok, ACT_FP8, W_SCALED)
-        acc3 = scale_product(acc3, SX, rm, m_ok, S3, rn, n_ok, ACT_FP8, W_SCALED)
-        if PASSES == 1:
-            rstd = tl.rsqrt(sumsq / K + eps)[:, None]
-            a = acc1 * rstd
-            b = acc3 * rstd
-        else:
-            a = acc1
-            b = acc3
+        # The scales of the FP8 operands (x's row scales, the channels' own) and rstd.
+        a, b = rms_scaled_products(acc1, acc3, sumsq, K, eps, SX, rm, m_ok, S1, rn, S3, rn, n_ok,
+                                   ACT_FP8, W_SCALED, PASSES)
         h = a * tl.sigmoid(a) * b  # silu(a) · b, float32
         out_ptrs = OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
         tl.store(out_ptrs, h.to(OUT.dtype.element_ty), mask=mn_ok)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusetune.kernels._matmul import row_norm_stats
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     WEIGHT_FORMATS,
@@ -293,18 +294,7 @@ def _norm_fp8_kernel(
     x_row = X + row * stride_xm
     q_row = Q + row * K
     rk = tl.arange(0, BLOCK_K)
-    mean = 0.0
-    if not RMS:
-        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc += tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        mean = tl.sum(acc, axis=0) / K
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        d = tl.where(k0 + rk < K, x - mean, 0.0)  # masked lanes must not add mean²
-        acc += d * d
-    rstd = tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
+    mean, rstd = row_norm_stats(x_row, K, eps, RMS, BLOCK_K)
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         y = _normalized(x_row, G, k0 + rk, k0 + rk < K, mean, rstd, RMS)
@@ -337,4 +327,5 @@ def norm_fp8_rows(x: torch.Tensor, g: torch.Tensor | None, eps: float
 
 
 # The jit code of the ACT_FP8 pass: part of the matmul kernels' source hashes.
-FP8_SOURCES = (e4m3_byte, _normalized, _norm_fp8_kernel, norm_fp8_rows, weight_operand)
+FP8_SOURCES = (e4m3_byte, _normalized, row_norm_stats, _norm_fp8_kernel, norm_fp8_rows,
+               weight_operand)

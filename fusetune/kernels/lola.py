@@ -41,6 +41,7 @@ from fusetune.kernels._matmul import (
     mma_weight,
     partial_ptrs,
     pipelined_smem,
+    row_norm_stats,
     scale_product,
 )
 from fusetune.kernels._spec import (
@@ -171,16 +172,7 @@ def _layernorm_kernel(
     x_row = X + row * stride_xm
     y_row = Y + row * K
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        acc += tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-    mean = tl.sum(acc, axis=0) / K
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        d = tl.where(k0 + rk < K, x - mean, 0.0)  # masked lanes must not add mean²
-        acc += d * d
-    rstd = tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
+    mean, rstd = row_norm_stats(x_row, K, eps, 0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
         tl.store(y_row + k0 + rk, ((x - mean) * rstd).to(Y.dtype.element_ty), mask=k0 + rk < K)
@@ -379,9 +371,9 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance=MATMUL_TOLERANCE,
-    source_objects=(_lola_kernel, _layernorm_kernel, grouped_tile, k_slice, partial_ptrs, dot,
-                    gemv_one_product, mma_weight, scale_product, _launch_2d, layernorm_rows,
-                    *fp8.FP8_SOURCES),
+    source_objects=(_lola_kernel, _layernorm_kernel, row_norm_stats, grouped_tile, k_slice,
+                    partial_ptrs, dot, gemv_one_product, mma_weight, scale_product, _launch_2d,
+                    layernorm_rows, *fp8.FP8_SOURCES),
     flags=MATMUL_FLAGS,
     weight_formats=WEIGHT_FORMATS,
     config_tolerance=fp8.config_tolerance,

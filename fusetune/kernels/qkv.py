@@ -39,7 +39,7 @@ from fusetune.kernels._matmul import (
     gemv_resources,
     grouped_tile,
     pipelined_smem,
-    scale_product,
+    rms_scaled_products,
     store_two_partials,
     two_partials_added,
     two_products,
@@ -142,17 +142,10 @@ def _qkv_kernel(
         store_two_partials(WS, WSQ, acc_a, acc_b, sumsq, rm, first + p, m_ok, mp_ok, M,
                            all_pairs, pid_n == 0, PASSES)
     else:
-        # The scales of the FP8 operands, on the whole sums: x's row scales, and those of the
-        # weight rows col_a and col_b.
-        acc_a = scale_product(acc_a, SX, rm, m_ok, SW, col_a, p_ok, ACT_FP8, W_SCALED)
-        acc_b = scale_product(acc_b, SX, rm, m_ok, SW, col_b, p_ok, ACT_FP8, W_SCALED)
-        if PASSES == 1:
-            rstd = tl.rsqrt(sumsq / K + eps)[:, None]
-            a = acc_a * rstd
-            b = acc_b * rstd
-        else:
-            a = acc_a
-            b = acc_b
+        # The scales of the FP8 operands (x's row scales, those of the weight rows col_a and
+        # col_b) and rstd.
+        a, b = rms_scaled_products(acc_a, acc_b, sumsq, K, eps, SX, rm, m_ok, SW, col_a, SW,
+                                   col_b, p_ok, ACT_FP8, W_SCALED, PASSES)
         # RoPE: angle (start_pos + s) · theta^(-2i/head_dim), in float32.
         pos = (start_pos + rm % S).to(tl.float32)
         freq = tl.exp2(i.to(tl.float32) * neg_log2_theta_over_half)
