@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy
 import torch
-from click.testing import CliRunner, Result
+from cli_helpers import interp_env, invoke
 from rich.console import Console
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
@@ -37,17 +37,6 @@ def _wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rich tables at a fixed width, whatever the terminal pytest runs in."""
     monkeypatch.setattr(cli, "console", Console(highlight=False, width=200))
     monkeypatch.setattr(cli, "err", Console(stderr=True, highlight=False, width=200))
-
-
-def invoke(*args: str) -> Result:
-    return CliRunner().invoke(cli.main, list(args))
-
-
-def interp_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env.pop(fusetune.tables.ENV_VAR, None)
-    return env
 
 
 def search_cmd(db_url: str, *args: str) -> list[str]:

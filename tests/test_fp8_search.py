@@ -4,7 +4,6 @@ test_cli.py)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
@@ -13,18 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from cli_helpers import interp_env
 from click.testing import CliRunner
 
 import fusetune
 from fusetune import cli
 from fusetune.db.store import Store
-
-
-def interp_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env.pop(fusetune.tables.ENV_VAR, None)
-    return env
 
 
 def search(db_url: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import random
 import statistics
 import subprocess
@@ -20,10 +19,9 @@ from pathlib import Path
 
 import optuna
 import pytest
-from click.testing import CliRunner, Result
+from cli_helpers import interp_env, invoke
 from rich.console import Console
 
-import fusetune
 from fusetune import cli, gpus
 from fusetune.db.store import PointKey, Store
 from fusetune.kernels._spec import Config, Cost, KernelSpec, Point, Resources
@@ -263,17 +261,6 @@ def test_an_incomplete_grid_is_refused_with_the_count() -> None:
 
 
 # ---- the command on stored grids ---------------------------------------------------------------
-
-
-def invoke(*args: str) -> Result:
-    return CliRunner().invoke(cli.main, list(args))
-
-
-def interp_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env.pop(fusetune.tables.ENV_VAR, None)
-    return env
 
 
 def run_cli(cwd: Path, *args: str) -> str:
