@@ -20,25 +20,43 @@ from triton.testing import do_bench
 
 
 @triton.jit
-def _read_kernel(X, OUT, n, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+def _read_kernel(X, OUT, n, BLOCK: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
+                 EVICT: tl.constexpr):
     # Program p reads elements [p·STEPS·BLOCK, (p+1)·STEPS·BLOCK) in STEPS contiguous blocks
     # (the mask covers the buffer's end) and writes their float32 sum: one value per program.
+    # UNROLL: the STEPS loads are unrolled (all of them in flight at once) instead of looped;
+    # EVICT: the loads tell L2 to evict these lines first (each byte is read once).
     base = tl.program_id(0).to(tl.int64) * (STEPS * BLOCK)
     r = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(STEPS):
-        offs = base + s * BLOCK + r
-        acc += tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
+    if UNROLL:
+        for s in tl.static_range(STEPS):
+            offs = base + s * BLOCK + r
+            if EVICT:
+                v = tl.load(X + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
+            else:
+                v = tl.load(X + offs, mask=offs < n, other=0.0)
+            acc += v.to(tl.float32)
+    else:
+        for s in range(STEPS):
+            offs = base + s * BLOCK + r
+            if EVICT:
+                v = tl.load(X + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
+            else:
+                v = tl.load(X + offs, mask=offs < n, other=0.0)
+            acc += v.to(tl.float32)
     tl.store(OUT + tl.program_id(0), tl.sum(acc, axis=0))
 
 
-def read_us(x: torch.Tensor, block: int, steps: int, warps: int) -> float:
+def read_us(x: torch.Tensor, block: int, steps: int, warps: int, unroll: bool = False,
+            evict: bool = False) -> float:
     n = x.numel()
     grid = triton.cdiv(n, block * steps)
     out = torch.empty(grid, device=x.device, dtype=torch.float32)
 
     def run() -> None:
-        _read_kernel[(grid,)](x, out, n, BLOCK=block, STEPS=steps, num_warps=warps)
+        _read_kernel[(grid,)](x, out, n, BLOCK=block, STEPS=steps, UNROLL=unroll, EVICT=evict,
+                              num_warps=warps)
 
     run()
     torch.cuda.synchronize()
@@ -56,17 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}; median µs (do_bench, L2 flushed)\n")
-    print("| MB | best read | TB/s | config (BLOCK, STEPS, warps) | copy (read+write) | TB/s |")
+    print("| MB | best read | TB/s | config (BLOCK, STEPS, warps, unrolled, evict_first) | "
+          "copy (read+write) | TB/s |")
     print("|---:|---:|---:|---|---:|---:|")
     for mb in (float(v) for v in args.mb.split(",")):
         n = int(mb * 1e6) // 2
         x = torch.randn(n, device="cuda").half()
         best = (float("inf"), None)
-        for block in (1024, 2048, 4096):
-            for steps in (1, 4, 16):
+        for block in (1024, 2048, 4096, 8192):
+            for steps in (1, 4, 8, 16):
                 for warps in (4, 8):
-                    t = read_us(x, block, steps, warps)
-                    best = min(best, (t, (block, steps, warps)))
+                    for unroll in (False, True) if steps > 1 else (False,):
+                        for evict in (False, True):
+                            t = read_us(x, block, steps, warps, unroll, evict)
+                            best = min(best, (t, (block, steps, warps, unroll, evict)))
         y = torch.empty_like(x)
         copy = do_bench(lambda x=x, y=y: y.copy_(x), warmup=25, rep=100, return_mode="median") * 1e3
         nbytes = 2 * n

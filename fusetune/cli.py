@@ -393,6 +393,10 @@ def _print_summary(results: Sequence[Any], target: Any) -> None:
                   _fmt(floor, ".2f"), _fmt(gbs, ".0f"), _fmt(pct, ".0f"), str(r.n_evaluated),
                   str(failed))
     console.print(t)
+    for r in results:
+        for key, why in r.retime_failed.items():
+            console.print(f"[yellow]{r.point.label}: re-timing the finalist {key} failed, so "
+                          f"it was not chosen: {why}[/yellow]")
 
 
 @main.command("evaluate-search")
@@ -405,9 +409,11 @@ def _print_summary(results: Sequence[Any], target: Any) -> None:
               help="Replays per strategy (sampler seeds 0..N-1).")
 @click.option("--strategies", callback=str_list, default=None,
               help="Comma-separated: random, tpe, gp, fusetune (what `fusetune search` does "
-                   "one config at a time), fusetune-batch (what it does with --compile-workers: "
-                   "a few configs asked at a time), fusetune-cold (its sampler without the "
-                   "start configs). Default: random,tpe,gp,fusetune,fusetune-batch.")
+                   "one config at a time: start configs, a climb through their neighbours, "
+                   "then TPE), fusetune-batch (what it does with --compile-workers: a few "
+                   "configs asked at a time), fusetune-tpe (fusetune without the climb), "
+                   "fusetune-cold (its sampler alone). "
+                   "Default: random,tpe,gp,fusetune,fusetune-batch.")
 @click.option("--budget", type=click.IntRange(min=1), default=None,
               help="Evaluations per replay. Default: the grid's size (every run can get there).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), default=None,
@@ -554,6 +560,9 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
                                           f"{run.compile_s:.0f} s{ahead}); winner "
                                           f"{_fmt(res.time_us if res else None, '.2f')} µs")
                 rows.append(ctx.store.point(tuner.point_id))
+                for key, why in (res.retime_failed.items() if res else ()):
+                    err.print(f"[yellow]{p.label}: re-timing the finalist {key} failed, so it "
+                              f"was not chosen: {why}[/yellow]")
     except KeyboardInterrupt:
         err.print(f"\n[yellow]interrupted[/]: every timed config is stored in {args.db}; run "
                   "the same command again to resume the grid.")

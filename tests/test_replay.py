@@ -426,3 +426,57 @@ def test_strategies_help_names_the_defaults() -> None:
     for name in STRATEGIES:
         assert name in r.output
     assert isinstance(STRATEGIES["fusetune"], Strategy) and STRATEGIES["fusetune"].seeded
+
+
+# ---- the climb ---------------------------------------------------------------------------------
+
+
+def test_neighbours_move_one_parameter_one_step() -> None:
+    spec = synth_spec()
+    space = synth_space((1, 2, 4, 8), (1, 2, 3), (16, 32, 64))
+    plan = make_plan(space, spec, POINT, gpus.INTERPRETER)
+    study = optuna.create_study()
+    prop = Proposer(study, space, spec, POINT, plan, lambda k: None, random.Random(0), 10)
+    got = {config_key(c) for c in prop.neighbours(space.to_params(
+        {"A": 2, "B": 1, "num_warps": 32}))}
+    want = {config_key(c) for c in ({"A": 1, "B": 1, "num_warps": 32},
+                                    {"A": 4, "B": 1, "num_warps": 32},
+                                    {"A": 2, "B": 2, "num_warps": 32},
+                                    {"A": 2, "B": 1, "num_warps": 16},
+                                    {"A": 2, "B": 1, "num_warps": 64})}
+    assert got == want  # B=1 has no lower value; never two parameters at once
+    # Neighbours that collapse onto the config itself are left out.
+    flat = synth_spec(canonical=lambda c, p: {**c, "B": 1})
+    prop = Proposer(study, space, flat, POINT, make_plan(space, flat, POINT, gpus.INTERPRETER),
+                    lambda k: None, random.Random(0), 10)
+    keys = [config_key(c) for c in prop.neighbours(space.to_params(
+        {"A": 2, "B": 2, "num_warps": 32}))]
+    assert len(keys) == len(set(keys)) == 4
+
+
+def test_climb_reaches_an_optimum_two_steps_away_through_the_second_best() -> None:
+    # From the default (A=4, B=2, num_warps=32) every single step is slower, but A=2 (second
+    # best after the default) combined with num_warps=16 is the optimum: a climb from the two
+    # best configs gets there after the default's and A=2's neighbourhoods, without the climb
+    # TPE needs many more evaluations on this flat landscape.
+    default = {"A": 4, "B": 2, "num_warps": 32}
+    spec = synth_spec(default=default)
+    space = synth_space((1, 2, 4, 8, 16, 32), (1, 2, 3, 4), (4, 8, 16, 32))
+
+    def time_of(c: Config) -> float:
+        if c == {"A": 2, "B": 2, "num_warps": 16}:
+            return 5.0
+        if c == default:
+            return 10.0
+        return 11.0 if c["A"] == 2 else 12.0 + 0.01 * (c["A"] + c["B"] + c["num_warps"])
+
+    grid = synth_grid(spec, space, time_of)
+    runs = [replay_once(grid, space, spec, STRATEGIES["fusetune"], s, grid.size)
+            for s in range(5)]
+    for r in runs:
+        # The default, its 6 neighbours, then at most A=2's 5 new neighbours.
+        assert r.reached[0.02] is not None and r.reached[0.02] <= 1 + 6 + 5, r.order
+        assert r.order[0] == config_key(default)
+    tpe = [replay_once(grid, space, spec, STRATEGIES["fusetune-tpe"], s, grid.size)
+           for s in range(5)]
+    assert statistics.median(r.reached[0.02] for r in tpe) > 12  # the comparison can fail

@@ -53,6 +53,19 @@ def test_time_of_a_crashing_config_is_none(worker: Worker) -> None:
     assert worker.time(cfg(1)) is not None
 
 
+def test_time_says_why_it_failed_and_keeps_a_healthy_worker(worker: Worker) -> None:
+    assert worker.time(cfg(1)) is not None
+    assert worker.time(cfg(4)) is None  # raises: reported, the worker goes on
+    assert worker.last_failure == "runtime_error: RuntimeError: planted runtime error"
+    assert worker.restarts == 0
+    assert worker.time(cfg(6)) is None  # a lost CUDA context: the worker is replaced
+    assert worker.last_failure.startswith("crashed: ") and "illegal memory access" in \
+        worker.last_failure
+    assert worker.restarts == 1
+    assert worker.time(cfg(2)) is None and "139" in worker.last_failure + worker._last_death
+    assert worker.time(cfg(1)) is not None
+
+
 def test_a_search_over_bad_configs_ends_with_the_right_winner(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/ft.db"
     space = SearchSpace("fake", (Param("MODE", "values", tuple(MODES)),

@@ -380,8 +380,14 @@ def _pairs(point: Point) -> int:
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
     c = default_tiles(point, gpu, _resources, _pairs(point), point.dim["dim"])
+    if c["BLOCK_M"] == 1:
+        # The GEMV reads even and odd weight rows as two tiles: on the H100 at Llama-2-7B dims
+        # 16 pairs x 256 took 49.2 µs, the ffn's 4 pairs x 512 74.9 (grid of
+        # benchmarks/grid_spaces/qkv_decode.yaml). 16 x 256 and its neighbours are all fast.
+        c["BLOCK_N"], c["BLOCK_K"] = 16, 256
+        return c
     # BLOCK_N counts pairs, two output columns each (tl.dot still needs 16 of them).
-    c["BLOCK_N"] = max(16 if c["BLOCK_M"] > 1 else 4, c["BLOCK_N"] // 2)
+    c["BLOCK_N"] = max(16, c["BLOCK_N"] // 2)
     return c
 
 

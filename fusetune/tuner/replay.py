@@ -75,7 +75,7 @@ def replay_once(grid: StoredGrid, space: SearchSpace, spec: KernelSpec, strategy
     study = optuna.create_study(direction="minimize", sampler=strategy.sampler(seed, target))
     known: dict[str, float] = {}
     proposer = Proposer(study, space, spec, grid.point, grid.plan, known.get,
-                        random.Random(seed), max_asks(target))
+                        random.Random(seed), max_asks(target), climb=strategy.climb)
 
     def evaluate(key: str) -> float:
         value, cost = grid.objective(key)

@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 from fusetune.db.store import PointKey, Store
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._spec import Config, Cost, KernelSpec, Point
-from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
+from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome, classify_exception
 from fusetune.tuner.compile_ahead import COMPILED, CompileAhead
 from fusetune.tuner.liveness import ClaimedElsewhere, Heartbeat, is_stale
 from fusetune.tuner.sampling import (
@@ -94,6 +94,8 @@ class PointResult:
     statuses: Counter[str] = field(default_factory=Counter)
     compile_s: float = 0.0  # seconds this run's evaluations spent compiling (and checking)
     compiled_ahead: int = 0  # of this run's evaluations, those compiled ahead (see Context)
+    # Finalists whose re-timing failed, config key -> why (they are left out of the choice)
+    retime_failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def speedup(self) -> float | None:
@@ -302,9 +304,10 @@ class PointTuner:
 
         proposer = Proposer(study, ctx.space, self.spec, self.point, self.plan, known,
                             random.Random(opts.seed + len(self.results)), max_asks(target),
-                            on_repeat)
-        # The default first, then the nearest points' winners; every later config comes from
-        # the sampler (which covers small spaces whole: see Proposer). Not for a point that has
+                            on_repeat, climb=strategy.climb)
+        # The default first, then the nearest points' winners, then their neighbourhoods (the
+        # climb); every later config comes from the sampler (which covers small spaces whole:
+        # see Proposer). Not for a point that has
         # its budget already: nothing would be asked, the enqueued trials would only wait.
         if strategy.seeded and self._evaluated_feasible() < target:
             neighbours = neighbour_winners(ctx.store, self.key, self.point_id)
@@ -409,6 +412,20 @@ class PointTuner:
                     if not is_stale(c, None)}
             pending = {i: k for i, k in pending.items() if i in live}
 
+    def _retime(self, config: Config) -> tuple[tuple[float, float, float] | None, str]:
+        """(p20, p50, p80) µs of `config` timed again, or (None, why) if that failed."""
+        ev = self.evaluator
+        try:
+            q = ev.time(config)
+        except Exception as exc:  # in-process: a failure is a result, never a crash
+            status, reason = classify_exception(exc)
+            if status == "crashed":
+                raise DeviceLostError(reason) from exc
+            return None, reason
+        if q is None:
+            return None, getattr(ev, "last_failure", "") or "the worker failed"
+        return q, ""
+
     def finish(self) -> PointResult:
         """Re-times the best few beside the default, interleaved; stores the winner (picked
         from every stored result of the point, other searches' too)."""
@@ -431,9 +448,11 @@ class PointTuner:
         times: dict[str, list[float]] = {config_key(c): [] for c in finalists}
         for _ in range(self.options.rounds):
             for c in finalists:
-                q = self.evaluator.time(c)
-                if q is not None:  # None: the worker crashed on it this time; leave it out
+                q, why = self._retime(c)
+                if q is not None:  # None: it failed this time; leave it out
                     times[config_key(c)].append(q[1])
+                else:
+                    res.retime_failed[config_key(c)] = why
         medians = {k: statistics.median(v) for k, v in times.items() if v}
         if not medians:
             return res

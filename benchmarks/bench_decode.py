@@ -1,0 +1,73 @@
+"""Decode (one row) of the matmul kernels against the read-only ceiling of their bytes.
+
+For ffn, qkv and lola at one token row, the kernel launches alone (as the tuner times them:
+no Python-side lookup or allocation, which at these sizes costs more than the GPU work) with
+the config of the lookup table, timed with do_bench (L2 flushed) in the same process as a
+Triton kernel that only reads the same number of bytes (benchmarks/bench_read_bw.py, its
+fastest shape) and a device-to-device copy.
+
+    python -m benchmarks.bench_decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from benchmarks.bench_read_bw import read_us
+from fusetune import models
+from fusetune.kernels import get_spec
+from fusetune.kernels._spec import Point
+from fusetune.tables import gpu_for_device, lookup
+from fusetune.tuner.bench import Evaluator
+
+CASES = (("ffn", "llama-2-7b", None), ("qkv", "llama-2-7b", None),
+         ("lola", None, {"dim": 4096, "out": 16384}), ("lola", None, {"dim": 4096, "out": 11008}))
+# Shapes of the read-only kernel tried for each size: (BLOCK, STEPS, warps, unrolled, evict).
+READ_SHAPES = [(b, 1, w, False, True) for b in (1024, 2048, 4096) for w in (4, 8)] + \
+    [(b, 1, w, False, False) for b in (1024, 2048, 4096) for w in (4, 8)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float16")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gpu = gpu_for_device(torch.device("cuda"))
+    print(f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, triton "
+          f"{triton.__version__}; median µs (do_bench, L2 flushed), kernel launches only\n")
+    print("| kernel | dims | MB read | kernel µs | read-only µs | kernel / read-only | "
+          "copy of the bytes µs | kernel TB/s | config |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for kernel, model, dims in CASES:
+        spec = get_spec(kernel)
+        dims = dims or spec.dims_from_model(models.preset(model))
+        point = Point.make(kernel, dims, 1, 1, args.dtype)
+        config = spec.canonical(lookup(kernel, dims, args.dtype, rows=1), point)
+        ev = Evaluator(spec, point, "cuda", "cuda")
+        check = ev.check(config)
+        if not check.ok:
+            print(f"| {kernel} | {dims} | - | {check.status}: {check.reason} | | | | | |")
+            continue
+        t = ev.time(config)[1]
+        nbytes = spec.cost(point).bytes
+        x = torch.empty(nbytes // 2, device="cuda", dtype=torch.float16).normal_()
+        read = min(read_us(x, *s) for s in READ_SHAPES)
+        y = torch.empty_like(x)
+        copy = do_bench(lambda x=x, y=y: y.copy_(x), warmup=25, rep=100,
+                        return_mode="median") * 1e3
+        cfg = "/".join(str(v) for v in config.values())
+        print(f"| {kernel} | {dims} | {nbytes / 1e6:.0f} | {t:.1f} | {read:.1f} | "
+              f"{t / read:.2f} | {copy:.1f} | {nbytes / t / 1e6:.2f} | {cfg} |", flush=True)
+        del ev, x, y
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Replays search strategies against the grids that benchmarks/run_gpu_grids.sh stored (no GPU
+# needed): `bash benchmarks/replay_grids.sh GRID_DB OUT_DIR [SEEDS] [BUDGET]` (GRID_SET=heldout:
+# the held-out pairs; STRATEGIES: which). One report per pair, Markdown and JSON, in OUT_DIR.
+set -euo pipefail
+db=${1:?grid database file}
+out=${2:?output directory}
+seeds=${3:-10}
+budget=${4:-80}
+spaces=benchmarks/grid_spaces
+mkdir -p "$out"
+replay() {
+  name=$1; shift
+  echo "== $name"
+  python3 -m fusetune.cli evaluate-search --no-grid --gpu h100 --db "sqlite:///$db" \
+    --dtype float16 --seeds "$seeds" --budget "$budget" \
+    --strategies "${STRATEGIES:-random,tpe,gp,fusetune,fusetune-cold}" \
+    --markdown "$out/$name.md" --json "$out/$name.json" "$@" 2>&1 | tail -14
+}
+if [ "${GRID_SET:-main}" = heldout ]; then
+  replay ffn_batch16 --kernel ffn --model llama-2-7b --batch 16 --seq 1 --space $spaces/ffn_batch16.yaml
+  replay lola_decode --kernel lola --model llama-2-7b --batch 1 --seq 1 --space $spaces/lola_decode.yaml
+  replay ffn_seq512 --kernel ffn --model llama-2-7b --batch 1 --seq 512 --space $spaces/ffn_prefill.yaml
+  replay qkv_batch16 --kernel qkv --model llama-2-7b --batch 16 --seq 1 --space $spaces/qkv_batch16.yaml
+  exit 0
+fi
+replay ffn_decode --kernel ffn --model llama-2-7b --batch 1 --seq 1 --space $spaces/ffn_decode.yaml
+replay qkv_decode --kernel qkv --model llama-2-7b --batch 1 --seq 1 --space $spaces/qkv_decode.yaml
+replay lola_prefill --kernel lola --model gpt2 --batch 1 --seq 4096 --space $spaces/lola_prefill.yaml
+replay ffn_prefill --kernel ffn --model llama-2-7b --batch 1 --seq 4096 --space $spaces/ffn_prefill.yaml
+replay qkv_prefill --kernel qkv --model llama-2-7b --batch 1 --seq 4096 --space $spaces/qkv_prefill.yaml
+replay rmsnorm_decode --kernel rmsnorm --model llama-2-7b --batch 1 --seq 1
