@@ -25,26 +25,20 @@ def _read_kernel(X, OUT, n, BLOCK: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl
     # Program p reads elements [p·STEPS·BLOCK, (p+1)·STEPS·BLOCK) in STEPS contiguous blocks
     # (the mask covers the buffer's end) and writes their float32 sum: one value per program.
     # UNROLL: the STEPS loads are unrolled (all of them in flight at once) instead of looped;
-    # EVICT: the loads tell L2 to evict these lines first (each byte is read once).
+    # EVICT: the loads' eviction policy ("evict_first": each byte is read once; "": none).
     base = tl.program_id(0).to(tl.int64) * (STEPS * BLOCK)
     r = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     if UNROLL:
         for s in tl.static_range(STEPS):
             offs = base + s * BLOCK + r
-            if EVICT:
-                v = tl.load(X + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
-            else:
-                v = tl.load(X + offs, mask=offs < n, other=0.0)
-            acc += v.to(tl.float32)
+            acc += tl.load(X + offs, mask=offs < n, other=0.0,
+                           eviction_policy=EVICT).to(tl.float32)
     else:
         for s in range(STEPS):
             offs = base + s * BLOCK + r
-            if EVICT:
-                v = tl.load(X + offs, mask=offs < n, other=0.0, eviction_policy="evict_first")
-            else:
-                v = tl.load(X + offs, mask=offs < n, other=0.0)
-            acc += v.to(tl.float32)
+            acc += tl.load(X + offs, mask=offs < n, other=0.0,
+                           eviction_policy=EVICT).to(tl.float32)
     tl.store(OUT + tl.program_id(0), tl.sum(acc, axis=0))
 
 
@@ -55,8 +49,8 @@ def read_us(x: torch.Tensor, block: int, steps: int, warps: int, unroll: bool = 
     out = torch.empty(grid, device=x.device, dtype=torch.float32)
 
     def run() -> None:
-        _read_kernel[(grid,)](x, out, n, BLOCK=block, STEPS=steps, UNROLL=unroll, EVICT=evict,
-                              num_warps=warps)
+        _read_kernel[(grid,)](x, out, n, BLOCK=block, STEPS=steps, UNROLL=unroll,
+                              EVICT="evict_first" if evict else "", num_warps=warps)
 
     run()
     torch.cuda.synchronize()

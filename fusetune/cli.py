@@ -394,9 +394,14 @@ def _print_summary(results: Sequence[Any], target: Any) -> None:
                   str(failed))
     console.print(t)
     for r in results:
-        for key, why in r.retime_failed.items():
-            console.print(f"[yellow]{r.point.label}: re-timing the finalist {key} failed, so "
-                          f"it was not chosen: {why}[/yellow]")
+        _print_retime_failures(r, console)
+
+
+def _print_retime_failures(result: Any, out: Console) -> None:
+    """Finalists left out of the winner's choice because their re-timing failed, and why."""
+    for key, why in result.retime_failed.items():
+        out.print(f"[yellow]{result.point.label}: re-timing the finalist {key} failed, so it "
+                  f"was not chosen: {why}[/yellow]")
 
 
 @main.command("evaluate-search")
@@ -560,9 +565,8 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
                                           f"{run.compile_s:.0f} s{ahead}); winner "
                                           f"{_fmt(res.time_us if res else None, '.2f')} µs")
                 rows.append(ctx.store.point(tuner.point_id))
-                for key, why in (res.retime_failed.items() if res else ()):
-                    err.print(f"[yellow]{p.label}: re-timing the finalist {key} failed, so it "
-                              f"was not chosen: {why}[/yellow]")
+                if res is not None:
+                    _print_retime_failures(res, err)
     except KeyboardInterrupt:
         err.print(f"\n[yellow]interrupted[/]: every timed config is stored in {args.db}; run "
                   "the same command again to resume the grid.")

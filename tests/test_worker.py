@@ -10,6 +10,7 @@ from fake_kernels import MODES, SPEC, point
 
 from fusetune import gpus
 from fusetune.db.store import Store
+from fusetune.tuner.bench import Outcome
 from fusetune.tuner.search import open_storage
 from fusetune.tuner.space import Param, SearchSpace
 from fusetune.tuner.study import Context, PointTuner, SearchOptions
@@ -46,24 +47,24 @@ def test_each_failure_is_an_outcome_and_the_worker_comes_back(worker: Worker) ->
     assert "no result within 5 s" in worker.evaluate(cfg(3)).reason
 
 
-def test_time_of_a_crashing_config_is_none(worker: Worker) -> None:
-    q = worker.time(cfg(1))
-    assert q is not None and q[0] <= q[1] <= q[2]
-    assert worker.time(cfg(2)) is None
-    assert worker.time(cfg(1)) is not None
+def test_time_of_a_crashing_config_is_an_outcome(worker: Worker) -> None:
+    q = worker.timing(cfg(1))
+    assert not isinstance(q, Outcome) and q[0] <= q[1] <= q[2]
+    assert isinstance(worker.timing(cfg(2)), Outcome)
+    assert not isinstance(worker.timing(cfg(1)), Outcome)
 
 
 def test_time_says_why_it_failed_and_keeps_a_healthy_worker(worker: Worker) -> None:
-    assert worker.time(cfg(1)) is not None
-    assert worker.time(cfg(4)) is None  # raises: reported, the worker goes on
-    assert worker.last_failure == "runtime_error: RuntimeError: planted runtime error"
+    assert not isinstance(worker.timing(cfg(1)), Outcome)
+    out = worker.timing(cfg(4))  # raises: reported, the worker goes on
+    assert f"{out.status}: {out.reason}" == "runtime_error: RuntimeError: planted runtime error"
     assert worker.restarts == 0
-    assert worker.time(cfg(6)) is None  # a lost CUDA context: the worker is replaced
-    assert worker.last_failure.startswith("crashed: ") and "illegal memory access" in \
-        worker.last_failure
+    out = worker.timing(cfg(6))  # a lost CUDA context: the worker is replaced
+    assert out.status == "crashed" and "illegal memory access" in out.reason
     assert worker.restarts == 1
-    assert worker.time(cfg(2)) is None and "139" in worker.last_failure + worker._last_death
-    assert worker.time(cfg(1)) is not None
+    out = worker.timing(cfg(2))
+    assert isinstance(out, Outcome) and "139" in out.reason + worker._last_death
+    assert not isinstance(worker.timing(cfg(1)), Outcome)
 
 
 def test_a_search_over_bad_configs_ends_with_the_right_winner(tmp_path: Path) -> None:

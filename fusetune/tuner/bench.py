@@ -158,12 +158,21 @@ class Evaluator:
         out = self.check(config)
         if not out.ok:
             return out
+        q = self.timing(config)
+        if isinstance(q, Outcome):
+            q.compile_s, q.n_regs, q.n_spills, q.smem_bytes = (out.compile_s, out.n_regs,
+                                                               out.n_spills, out.smem_bytes)
+            return q
+        out.p20_us, out.time_us, out.p80_us = q
+        return out
+
+    def timing(self, config: Config) -> tuple[float, float, float] | Outcome:
+        """time(config), or the outcome of its failure; DeviceLostError if the CUDA context is
+        gone."""
         try:
-            out.p20_us, out.time_us, out.p80_us = self.time(config)
-        except Exception as exc:
+            return self.time(config)
+        except Exception as exc:  # a failure is a result, never a crash of the search
             status, reason = classify_exception(exc)
             if status == "crashed":
                 raise DeviceLostError(reason) from exc
-            return Outcome(status, reason, compile_s=out.compile_s, n_regs=out.n_regs,
-                           n_spills=out.n_spills, smem_bytes=out.smem_bytes)
-        return out
+            return Outcome(status, reason)

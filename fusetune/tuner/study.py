@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 from fusetune.db.store import PointKey, Store
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._spec import Config, Cost, KernelSpec, Point
-from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome, classify_exception
+from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
 from fusetune.tuner.compile_ahead import COMPILED, CompileAhead
 from fusetune.tuner.liveness import ClaimedElsewhere, Heartbeat, is_stale
 from fusetune.tuner.sampling import (
@@ -412,20 +412,6 @@ class PointTuner:
                     if not is_stale(c, None)}
             pending = {i: k for i, k in pending.items() if i in live}
 
-    def _retime(self, config: Config) -> tuple[tuple[float, float, float] | None, str]:
-        """(p20, p50, p80) µs of `config` timed again, or (None, why) if that failed."""
-        ev = self.evaluator
-        try:
-            q = ev.time(config)
-        except Exception as exc:  # in-process: a failure is a result, never a crash
-            status, reason = classify_exception(exc)
-            if status == "crashed":
-                raise DeviceLostError(reason) from exc
-            return None, reason
-        if q is None:
-            return None, getattr(ev, "last_failure", "") or "the worker failed"
-        return q, ""
-
     def finish(self) -> PointResult:
         """Re-times the best few beside the default, interleaved; stores the winner (picked
         from every stored result of the point, other searches' too)."""
@@ -448,11 +434,11 @@ class PointTuner:
         times: dict[str, list[float]] = {config_key(c): [] for c in finalists}
         for _ in range(self.options.rounds):
             for c in finalists:
-                q, why = self._retime(c)
-                if q is not None:  # None: it failed this time; leave it out
-                    times[config_key(c)].append(q[1])
+                q = self.evaluator.timing(c)
+                if isinstance(q, Outcome):  # it failed this time: left out, with the reason
+                    res.retime_failed[config_key(c)] = f"{q.status}: {q.reason}"
                 else:
-                    res.retime_failed[config_key(c)] = why
+                    times[config_key(c)].append(q[1])
         medians = {k: statistics.median(v) for k, v in times.items() if v}
         if not medians:
             return res

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from fusetune.kernels._spec import Config, KernelSpec, Point
-from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome, classify_exception
+from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
 
 EXIT_DEVICE_LOST = 3
 CANCEL_POLL_S = 0.1  # how often a call waiting for the worker looks whether it was cancelled
@@ -35,24 +35,6 @@ def resolve_spec(ref: str) -> KernelSpec:
     from fusetune.kernels import get_spec
 
     return get_spec(ref)
-
-
-class _TimingFailed(Exception):
-    def __init__(self, outcome: Outcome) -> None:
-        super().__init__(outcome.reason)
-        self.outcome = outcome
-
-
-def _times(evaluator: Evaluator, config: Config) -> tuple[float, float, float]:
-    """evaluator.time(config); an exception becomes _TimingFailed (DeviceLostError if the
-    CUDA context is gone)."""
-    try:
-        return evaluator.time(config)
-    except Exception as exc:
-        status, reason = classify_exception(exc)
-        if status == "crashed":
-            raise DeviceLostError(reason) from exc
-        raise _TimingFailed(Outcome(status, reason)) from exc
 
 
 def _serve(conn: Connection, spec_ref: str, backend: str, device: str) -> None:
@@ -78,13 +60,12 @@ def _serve(conn: Connection, spec_ref: str, backend: str, device: str) -> None:
             try:
                 if kind == "eval":
                     conn.send(("outcome", evaluator.evaluate(msg[1])))
-                else:
-                    conn.send(("times", _times(evaluator, msg[1])))
+                else:  # times, or the outcome of a failure (the worker goes on)
+                    q = evaluator.timing(msg[1])
+                    conn.send(("outcome", q) if isinstance(q, Outcome) else ("times", q))
             except DeviceLostError as exc:  # the context is gone: report, then die
                 conn.send(("outcome", Outcome("crashed", str(exc))))
                 os._exit(EXIT_DEVICE_LOST)
-            except _TimingFailed as exc:  # the config failed this time; the worker goes on
-                conn.send(("outcome", exc.outcome))
         else:
             return
 
@@ -214,26 +195,24 @@ class Worker:
                 self._restart()
         return out
 
-    def time(self, config: Config) -> tuple[float, float, float] | None:
-        """(p20, p50, p80) µs, or None if that config now crashes or hangs the worker."""
+    def timing(self, config: Config) -> tuple[float, float, float] | Outcome:
+        """(p20, p50, p80) µs, or the outcome of a failure: the config raised (the worker goes
+        on), crashed the worker or hung it (it is restarted)."""
         reply = self._call(("time", config), self.timeout_s)
-        if reply is not None and reply[0] == "outcome":  # it failed; the worker may go on
+        if reply is not None and reply[0] == "outcome":
             out: Outcome = reply[1]
-            self.last_failure = f"{out.status}: {out.reason}"
             if out.status == "crashed" and self._proc is not None:
                 self._proc.join(timeout=0.5)
             if self._proc is None or not self._proc.is_alive():
                 self._restart()
-            return None
+            return out
         if reply is None or reply[0] != "times":
             timed_out = self._proc is not None and self._proc.is_alive()
-            self.last_failure = (f"no timing within {self.timeout_s:g} s" if timed_out
-                                 else self._last_death)
             self._restart()
-            return None
+            return (Outcome("timeout", f"no timing within {self.timeout_s:g} s") if timed_out
+                    else Outcome("crashed", self._last_death))
         return reply[1]
 
-    last_failure = ""  # why the last `time` call returned None
 
     def close(self) -> None:
         if self._conn is not None and self._proc is not None and self._proc.is_alive():
