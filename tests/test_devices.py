@@ -17,6 +17,7 @@ from pathlib import Path
 import optuna
 import pytest
 from click.testing import CliRunner
+from old_schema import create_first_results_table
 from optuna.trial import TrialState
 from rich.console import Console
 
@@ -265,26 +266,10 @@ def test_two_interpreter_workers_share_the_points(db_url: str,
 
 
 def test_results_of_an_earlier_version_get_the_device_column(db_url: str) -> None:
-    from sqlalchemy import Column, Float, ForeignKey, Integer, MetaData, String, Table, Text
-    from sqlalchemy import UniqueConstraint as Unique
-
-    from fusetune.db.models import Base
-    from fusetune.db.store import PointKey, make_engine
+    from fusetune.db.store import PointKey
 
     # ft_results as it was made before it had a device column
-    engine = make_engine(db_url)
-    Base.metadata.create_all(engine, tables=[Base.metadata.tables["ft_points"]])
-    old = MetaData()
-    Table("ft_points", old, Column("id", Integer, primary_key=True))
-    Table("ft_results", old, Column("id", Integer, primary_key=True),
-          Column("point_id", ForeignKey("ft_points.id", ondelete="CASCADE"), index=True),
-          Column("config_key", String(512)), Column("config", Text), Column("status", String(32)),
-          Column("reason", Text), Column("time_us", Float), Column("p20_us", Float),
-          Column("p80_us", Float), Column("rel_err", Float), Column("compile_s", Float),
-          Column("trial_number", Integer), Column("created_at", String(64)),
-          Unique("point_id", "config_key", name="uq_ft_result"))
-    old.create_all(engine, tables=[old.tables["ft_results"]])
-    engine.dispose()
+    create_first_results_table(db_url)
 
     store = Store(db_url)
     pid = store.point_id(PointKey("h200", "rmsnorm", {"dim": 8}, 1, 1, "float16", "", "cuda",

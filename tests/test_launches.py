@@ -17,25 +17,14 @@ import torch
 from click.testing import CliRunner
 from fake_jit import FAKE_FINISH, FAKE_MAIN, MODE7_STATS, SPEC
 from fake_kernels import LOG_ENV, point
+from old_schema import create_first_results_table
 from rich.console import Console
 from sqlalchemy import (
-    JSON,
-    Column,
-    DateTime,
-    Float,
-    ForeignKey,
-    Integer,
-    MetaData,
-    String,
-    Table,
-    Text,
     text,
 )
-from sqlalchemy import UniqueConstraint as Unique
 from triton.runtime.jit import JITFunction
 
 from fusetune import cli, gpus
-from fusetune.db.models import Base
 from fusetune.db.store import PointKey, Store, make_engine
 from fusetune.tuner.bench import Evaluator
 from fusetune.tuner.launches import KernelStats, compile_only, kernel_stats, launched_kernels
@@ -152,19 +141,7 @@ def test_a_search_stores_the_figures_and_show_prints_them(tmp_path: Path,
 
 def test_results_tables_of_an_earlier_version_get_the_new_columns(db_url: str) -> None:
     # ft_results as it was made before the kernels' figures (and the device) were stored
-    engine = make_engine(db_url)
-    Base.metadata.create_all(engine, tables=[Base.metadata.tables["ft_points"]])
-    old = MetaData()
-    Table("ft_points", old, Column("id", Integer, primary_key=True))
-    Table("ft_results", old, Column("id", Integer, primary_key=True),
-          Column("point_id", ForeignKey("ft_points.id", ondelete="CASCADE"), index=True),
-          Column("config_key", String(512)), Column("config", JSON), Column("status", String(32)),
-          Column("reason", Text), Column("time_us", Float), Column("p20_us", Float),
-          Column("p80_us", Float), Column("rel_err", Float), Column("compile_s", Float),
-          Column("trial_number", Integer), Column("created_at", DateTime(timezone=True)),
-          Unique("point_id", "config_key", name="uq_ft_result"))
-    old.create_all(engine, tables=[old.tables["ft_results"]])
-    engine.dispose()
+    create_first_results_table(db_url)
 
     store = Store(db_url)
     pid = store.point_id(PointKey("h100-sxm", "fake", {"dim": 16}, 1, 1, "float16", "", "cuda",
