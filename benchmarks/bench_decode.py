@@ -1,12 +1,18 @@
 """Decode (one row) of the matmul kernels against the read-only ceiling of their bytes.
 
-For ffn, qkv and lola at one token row, the kernel launches alone (as the tuner times them:
-no Python-side lookup or allocation, which at these sizes costs more than the GPU work) with
-the config of the lookup table, timed with do_bench (L2 flushed) in the same process as a
-Triton kernel that only reads the same number of bytes (benchmarks/bench_read_bw.py, its
-fastest shape) and a device-to-device copy.
+For ffn, qkv and lola at one token row, the kernel launches alone (no Python-side lookup or
+allocation, which at these sizes costs more than the GPU work) with the config of the lookup
+table, timed with do_bench (L2 flushed) in the same process as a Triton kernel that only reads
+the same number of bytes (benchmarks/bench_read_bw.py, its fastest shape) and a
+device-to-device copy. The kernel is timed twice: as CUDA-graph replays (the figure compared
+with the ceiling: no Python in the timed region) and as plain launches, as the tuner times
+them, which is higher where one launch's Python-side cost exceeds do_bench's L2 flush (qkv's
+launch path costs about 100 µs of CPU).
 
-    python -m benchmarks.bench_decode
+    python -m benchmarks.bench_decode [--weights fp8-e4m3]
+
+With --weights fp8-e4m3 (or fp8-e5m2) the weights are FP8 with per-channel scales, the tables'
+rows for that format give the config, and the read-only kernel reads the FP8 bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.bench_read_bw import read_us
+from benchmarks.timing import as_graph, median_us
 from fusetune import models
 from fusetune.kernels import get_spec
 from fusetune.kernels._spec import Point
@@ -35,6 +42,8 @@ READ_SHAPES = [(b, 1, w, False, True) for b in (1024, 2048, 4096) for w in (4, 8
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--weights", default="", choices=["", "fp8-e4m3", "fp8-e5m2"],
+                    help="weight format (default: the activations' dtype)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -42,20 +51,23 @@ def main(argv: list[str] | None = None) -> int:
     gpu = gpu_for_device(torch.device("cuda"))
     print(f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, triton "
           f"{triton.__version__}; median µs (do_bench, L2 flushed), kernel launches only\n")
-    print("| kernel | dims | MB read | kernel µs | read-only µs | kernel / read-only | "
-          "copy of the bytes µs | kernel TB/s | config |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| kernel | dims | MB read | kernel µs (graph) | plain launches µs | read-only µs | "
+          "kernel / read-only | copy of the bytes µs | kernel TB/s | config |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for kernel, model, dims in CASES:
         spec = get_spec(kernel)
         dims = dims or spec.dims_from_model(models.preset(model))
-        point = Point.make(kernel, dims, 1, 1, args.dtype)
-        config = spec.canonical(lookup(kernel, dims, args.dtype, rows=1), point)
+        point = Point.make(kernel, dims, 1, 1, args.dtype, args.weights)
+        config = spec.canonical(lookup(kernel, dims, args.dtype, rows=1, weights=args.weights),
+                                point)
         ev = Evaluator(spec, point, "cuda", "cuda")
         check = ev.check(config)
         if not check.ok:
-            print(f"| {kernel} | {dims} | - | {check.status}: {check.reason} | | | | | |")
+            print(f"| {kernel} | {dims} | - | {check.status}: {check.reason} | | | | | | |")
             continue
-        t = ev.time(config)[1]
+        plain = ev.time(config)[1]
+        t = median_us(as_graph(lambda ev=ev, spec=spec, config=config: spec.launch(
+            ev.inputs, ev.outputs, config)))
         nbytes = spec.cost(point).bytes
         x = torch.empty(nbytes // 2, device="cuda", dtype=torch.float16).normal_()
         read = min(read_us(x, *s) for s in READ_SHAPES)
@@ -63,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         copy = do_bench(lambda x=x, y=y: y.copy_(x), warmup=25, rep=100,
                         return_mode="median") * 1e3
         cfg = "/".join(str(v) for v in config.values())
-        print(f"| {kernel} | {dims} | {nbytes / 1e6:.0f} | {t:.1f} | {read:.1f} | "
+        print(f"| {kernel} | {dims} | {nbytes / 1e6:.0f} | {t:.1f} | {plain:.1f} | {read:.1f} | "
               f"{t / read:.2f} | {copy:.1f} | {nbytes / t / 1e6:.2f} | {cfg} |", flush=True)
         del ev, x, y
     return 0

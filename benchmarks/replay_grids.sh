@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Replays search strategies against the grids that benchmarks/run_gpu_grids.sh stored (no GPU
 # needed): `bash benchmarks/replay_grids.sh GRID_DB OUT_DIR [SEEDS] [BUDGET]` (GRID_SET=heldout:
-# the held-out pairs; STRATEGIES: which). One report per pair, Markdown and JSON, in OUT_DIR.
+# the held-out pairs, GRID_SET=gemv: the GEMV grids of run_gpu_gemv.sh; STRATEGIES: which).
+# One report per pair, Markdown and JSON, in OUT_DIR.
 set -euo pipefail
 db=${1:?grid database file}
 out=${2:?output directory}
@@ -17,6 +18,17 @@ replay() {
     --strategies "${STRATEGIES:-random,tpe,gp,fusetune,fusetune-cold}" \
     --markdown "$out/$name.md" --json "$out/$name.json" "$@" 2>&1 | tail -14
 }
+if [ "${GRID_SET:-main}" = gemv ]; then  # the GEMV sub-spaces (benchmarks/run_gpu_gemv.sh)
+  replay ffn_gemv --kernel ffn --model llama-2-7b --batch 1 --seq 1 --space $spaces/ffn_gemv.yaml
+  replay qkv_gemv --kernel qkv --model llama-2-7b --batch 1 --seq 1 --space $spaces/qkv_gemv.yaml
+  replay lola_gemv --kernel lola --dims dim=4096,out=16384 --batch 1 --seq 1 \
+    --space $spaces/lola_gemv.yaml
+  replay ffn_gemv_e4m3 --kernel ffn --model llama-2-7b --batch 1 --seq 1 --weights fp8-e4m3 \
+    --space $spaces/ffn_gemv.yaml
+  replay qkv_gemv_e4m3 --kernel qkv --model llama-2-7b --batch 1 --seq 1 --weights fp8-e4m3 \
+    --space $spaces/qkv_gemv.yaml
+  exit 0
+fi
 if [ "${GRID_SET:-main}" = heldout ]; then
   replay ffn_batch16 --kernel ffn --model llama-2-7b --batch 16 --seq 1 --space $spaces/ffn_batch16.yaml
   replay lola_decode --kernel lola --model llama-2-7b --batch 1 --seq 1 --space $spaces/lola_decode.yaml

@@ -56,6 +56,12 @@ class GpuSpec:
     # FP8 weights are upcast in registers and the e4m3 type is decoded from its bytes.
     fp8_tensor_cores: bool = False
 
+    @property
+    def tma(self) -> bool:
+        """Whether kernels can read tiles through TMA descriptors (the tensor memory
+        accelerator: compute capability 9.0+; the CPU interpreter emulates it)."""
+        return self.compute_capability >= (9, 0) or self.name == "interpreter"
+
 
 @dataclass(frozen=True)
 class VisibleGpu:

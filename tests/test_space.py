@@ -158,3 +158,27 @@ def test_plan_small_dim_has_few_distinct_configs() -> None:
     # BLOCK_D collapses to 64 (single pass), ROWS to 1, stages to 1: only num_warps varies
     assert plan.distinct == 6
     assert sorted(c["num_warps"] for c in plan.feasible) == [1, 2, 4, 8, 16, 32]
+
+
+def test_flags_may_be_left_out_of_a_space() -> None:
+    # A matmul space written before a flag existed keeps working: the flag keeps its default.
+    from fusetune.kernels import get_spec
+
+    ffn = get_spec("ffn")
+    text = """kernel: ffn
+params:
+  BLOCK_M: {values: [16]}
+  BLOCK_N: {values: [64]}
+  BLOCK_K: {values: [64]}
+  GROUP_M: {values: [1]}
+  PASSES: {values: [1, 2]}
+  SPLIT_K: {values: [1]}
+  num_warps: {values: [4]}
+  num_stages: {values: [3]}
+"""
+    space = parse_space(text, ffn, "old.yaml")
+    values = {p.name: p.values for p in space.params}
+    assert all(values[flag] == (default,) for flag, default in ffn.flags.items())
+    assert space.size == 2
+    with pytest.raises(SpaceError, match=r"the flags ACT_FP8, UNROLL_K, TMA may be left out"):
+        parse_space(text.replace("  num_stages: {values: [3]}\n", ""), ffn, "old.yaml")

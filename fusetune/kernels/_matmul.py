@@ -3,20 +3,35 @@ the shared-memory model of a software-pipelined K loop."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
+import torch
 import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
-from fusetune.kernels._spec import Config, Point, Resources, check_fits, next_pow2
+from fusetune.kernels._spec import (
+    DTYPE_BYTES,
+    Config,
+    Point,
+    Resources,
+    check_fits,
+    interpreting,
+    next_pow2,
+)
 
 # The tunables every matmul kernel has (the YAML spaces and tables name exactly these), and
 # the tolerance its output is checked with (float32 accumulation of fp16/bf16 products).
-# ACT_FP8 (0/1, see fp8.py) may be left out of a config: tables written before it mean 0.
+# ACT_FP8 (0/1, see fp8.py), UNROLL_K (0/1: the GEMV structure's K loop takes two K-steps per
+# iteration, see gemv_two_products) and TMA (0/1: the tensor-core loop reads its tiles through
+# TMA descriptors, see tma_two_products; ffn and lola) may be left out of a config: tables
+# written before them mean 0.
 MATMUL_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K",
-                      "ACT_FP8", "num_warps", "num_stages")
-MATMUL_FLAGS = {"ACT_FP8": 0}
+                      "ACT_FP8", "UNROLL_K", "TMA", "num_warps", "num_stages")
+MATMUL_FLAGS = {"ACT_FP8": 0, "UNROLL_K": 0, "TMA": 0}
+# The largest TMA box: a descriptor's tile is at most 256 elements along each side.
+TMA_MAX_BOX = 256
 MATMUL_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
 MATMUL_TOLERANCE = {"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
 
@@ -127,14 +142,15 @@ def row_norm_stats(x_row, K, eps, RMS: tl.constexpr, BLOCK_K: tl.constexpr):
 def two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, PASSES: tl.constexpr, IEEE: tl.constexpr,
-                 W_FP8: tl.constexpr):
+                 W_FP8: tl.constexpr, UNROLL_K: tl.constexpr):
     """x·Waᵀ and x·Wbᵀ for the rows rm of X over this program's K-slice: the tensor-core loop
-    (mma_two_products), or with BLOCK_M = 1 the one-row loop (gemv_two_products). Returns
-    [BLOCK_M, BLOCK_N], [BLOCK_M, BLOCK_N] and the rows' sums of x² [BLOCK_M]."""
+    (mma_two_products), or with BLOCK_M = 1 the one-row loop (gemv_two_products, which alone
+    reads UNROLL_K). Returns [BLOCK_M, BLOCK_N], [BLOCK_M, BLOCK_N] and the rows' sums of x²
+    [BLOCK_M]."""
     if BLOCK_M == 1:
         acc_a, acc_b, sumsq = gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok,
                                                 K, stride_xm, BLOCK_N, BLOCK_K, SPLIT_K, PASSES,
-                                                W_FP8)
+                                                W_FP8, UNROLL_K)
     else:
         acc_a, acc_b, sumsq = mma_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok,
                                                K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
@@ -145,7 +161,7 @@ def two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
 @triton.jit
 def gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      PASSES: tl.constexpr, W_FP8: tl.constexpr):
+                      PASSES: tl.constexpr, W_FP8: tl.constexpr, UNROLL_K: tl.constexpr):
     """two_products for one row per program (BLOCK_M = 1), without tensor cores: at decode
     sizes a 16-row tl.dot pads the row with zero rows and moves every tile through shared
     memory; here the weight tiles go from memory straight to registers as wide vectors and
@@ -155,7 +171,12 @@ def gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_
     contiguous in K, the tile's first axis, so the loads vectorize along it); the products
     accumulate element-wise in float32 [BLOCK_K, BLOCK_N] tiles that are summed over K once,
     after the loop. With PASSES == 1 the row is scaled by G in float32 (not rounded back to
-    x's type as for the tensor cores) and its sum of squares comes back too."""
+    x's type as for the tensor cores) and its sum of squares comes back too.
+
+    There is no software pipeline (no tl.dot for the compiler to stage): a warp waits for its
+    loads before multiplying. UNROLL_K = 1 takes two K-steps per iteration, unrolled, so that
+    the loads of both are in flight together (twice the bytes per wait, into the same
+    accumulators)."""
     k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
     rk = tl.arange(0, BLOCK_K)
     # [1] + [BLOCK_K] broadcasts to the BLOCK_K addresses of the row.
@@ -165,27 +186,31 @@ def gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_
     acc_a = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k_ok = rk < k_end - k0  # the last K-step may be partial: masked lanes read 0
-        x = tl.load(x_ptrs, mask=k_ok & m_ok, other=0.0)
-        w_mask = k_ok[:, None] & w_ok[None, :]
-        # FP8 weights are converted exactly (mma_weight), then everything is float32. Each
-        # weight byte is read once (by the programs of this tile's few rows at about the same
-        # time): evict-first keeps it from displacing what L2 still serves.
-        wa = mma_weight(tl.load(wa_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first"),
-                        x, W_FP8).to(tl.float32)
-        wb = mma_weight(tl.load(wb_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first"),
-                        x, W_FP8).to(tl.float32)
-        xf = x.to(tl.float32)
-        if PASSES == 1:
-            g = tl.load(G + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-            sq += xf * xf
-            xf = xf * g
-        acc_a += wa * xf[:, None]
-        acc_b += wb * xf[:, None]
-        x_ptrs += BLOCK_K
-        wa_ptrs += BLOCK_K
-        wb_ptrs += BLOCK_K
+    for k0 in range(k_begin, k_end, BLOCK_K * (1 + UNROLL_K)):
+        for u in tl.static_range(1 + UNROLL_K):
+            step = u * BLOCK_K  # this K-step's offset within the iteration
+            # The last K-step may be partial, an unrolled one past the slice's end empty:
+            # masked lanes read 0 and add nothing.
+            k_ok = rk < k_end - k0 - step
+            x = tl.load(x_ptrs + step, mask=k_ok & m_ok, other=0.0)
+            w_mask = k_ok[:, None] & w_ok[None, :]
+            # FP8 weights are converted exactly (mma_weight), then everything is float32.
+            # Each weight byte is read once (by the programs of this tile's few rows at about
+            # the same time): evict-first keeps it from displacing what L2 still serves.
+            wa = mma_weight(tl.load(wa_ptrs + step, mask=w_mask, other=0.0,
+                                    eviction_policy="evict_first"), x, W_FP8).to(tl.float32)
+            wb = mma_weight(tl.load(wb_ptrs + step, mask=w_mask, other=0.0,
+                                    eviction_policy="evict_first"), x, W_FP8).to(tl.float32)
+            xf = x.to(tl.float32)
+            if PASSES == 1:
+                g = tl.load(G + k0 + step + rk, mask=k_ok, other=0.0).to(tl.float32)
+                sq += xf * xf
+                xf = xf * g
+            acc_a += wa * xf[:, None]
+            acc_b += wb * xf[:, None]
+        x_ptrs += BLOCK_K * (1 + UNROLL_K)
+        wa_ptrs += BLOCK_K * (1 + UNROLL_K)
+        wb_ptrs += BLOCK_K * (1 + UNROLL_K)
     sumsq = tl.zeros([1], dtype=tl.float32) + tl.sum(sq, axis=0)
     return tl.sum(acc_a, axis=0)[None, :], tl.sum(acc_b, axis=0)[None, :], sumsq
 
@@ -193,10 +218,11 @@ def gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_
 @triton.jit
 def gemv_one_product(X, W, w_rows, rm, m_ok, w_ok, K, stride_xm, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PASSES: tl.constexpr,
-                     W_FP8: tl.constexpr):
-    """x·Wᵀ for one row rm [1] of X over this program's K-slice, as gemv_two_products does it,
-    for a LayerNorm folded into the loop (PASSES == 1): returns the product [1, BLOCK_N], the
-    row's Σx and Σx² [1] and the weight rows' Σw [BLOCK_N] (zeros with PASSES == 2)."""
+                     W_FP8: tl.constexpr, UNROLL_K: tl.constexpr):
+    """x·Wᵀ for one row rm [1] of X over this program's K-slice, as gemv_two_products does it
+    (UNROLL_K too), for a LayerNorm folded into the loop (PASSES == 1): returns the product
+    [1, BLOCK_N], the row's Σx and Σx² [1] and the weight rows' Σw [BLOCK_N] (zeros with
+    PASSES == 2)."""
     k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = X + rm.to(tl.int64) * stride_xm + (k_begin + rk)  # [1] + [BLOCK_K]
@@ -205,19 +231,21 @@ def gemv_one_product(X, W, w_rows, rm, m_ok, w_ok, K, stride_xm, BLOCK_N: tl.con
     w_sum = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     x_sum = tl.zeros([BLOCK_K], dtype=tl.float32)
     x_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k_ok = rk < k_end - k0  # the last K-step may be partial: masked lanes read 0
-        x = tl.load(x_ptrs, mask=k_ok & m_ok, other=0.0)
-        w = mma_weight(tl.load(w_ptrs, mask=k_ok[:, None] & w_ok[None, :], other=0.0,
-                               eviction_policy="evict_first"), x, W_FP8).to(tl.float32)  # as above
-        xf = x.to(tl.float32)
-        if PASSES == 1:
-            x_sum += xf
-            x_sq += xf * xf
-            w_sum += w
-        acc += w * xf[:, None]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    for k0 in range(k_begin, k_end, BLOCK_K * (1 + UNROLL_K)):
+        for u in tl.static_range(1 + UNROLL_K):
+            step = u * BLOCK_K
+            k_ok = rk < k_end - k0 - step  # as in gemv_two_products
+            x = tl.load(x_ptrs + step, mask=k_ok & m_ok, other=0.0)
+            w = mma_weight(tl.load(w_ptrs + step, mask=k_ok[:, None] & w_ok[None, :], other=0.0,
+                                   eviction_policy="evict_first"), x, W_FP8).to(tl.float32)
+            xf = x.to(tl.float32)
+            if PASSES == 1:
+                x_sum += xf
+                x_sq += xf * xf
+                w_sum += w
+            acc += w * xf[:, None]
+        x_ptrs += BLOCK_K * (1 + UNROLL_K)
+        w_ptrs += BLOCK_K * (1 + UNROLL_K)
     one = tl.zeros([1], dtype=tl.float32)
     return (tl.sum(acc, axis=0)[None, :], one + tl.sum(x_sum, axis=0),
             one + tl.sum(x_sq, axis=0), tl.sum(w_sum, axis=0))
@@ -262,6 +290,38 @@ def mma_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_x
         wa_ptrs += BLOCK_K
         wb_ptrs += BLOCK_K
     return acc_a, acc_b, sumsq
+
+
+@triton.jit
+def tma_two_products(XD, WAD, WBD, m0, n0, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
+    """mma_two_products for operands that reach the tensor cores untouched (PASSES == 2,
+    weights in x's dtype), read through TMA descriptors: XD over X [M, K] with [BLOCK_M,
+    BLOCK_K] boxes, WAD and WBD over the weights [N, K] with [BLOCK_N, BLOCK_K] boxes. The
+    copy engine moves each tile into shared memory by itself (no address arithmetic or masks in
+    the loop; boxes past an edge of a matrix, including a partial last K-step, arrive
+    zero-filled), for the rows from m0 and the weight rows from n0 over this program's K-slice.
+    The weight tiles arrive as [BLOCK_N, BLOCK_K] and are multiplied transposed."""
+    k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
+    acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        x = XD.load([m0, k0])
+        acc_a = dot(x, WAD.load([n0, k0]).T, acc_a, IEEE)
+        acc_b = dot(x, WBD.load([n0, k0]).T, acc_b, IEEE)
+    return acc_a, acc_b
+
+
+@triton.jit
+def tma_one_product(XD, WD, m0, n0, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
+    """tma_two_products for one weight (WD over W [N, K]): x·Wᵀ over this program's
+    K-slice."""
+    k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        acc = dot(XD.load([m0, k0]), WD.load([n0, k0]).T, acc, IEEE)
+    return acc
 
 
 @triton.jit
@@ -341,6 +401,7 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
     # Elsewhere the weights are upcast (ACT_FP8 = 0), what every GPU can run.
     fp8_mma = bool(point.weights) and gpu.fp8_tensor_cores and c["PASSES"] == 2
     c["ACT_FP8"] = int(fp8_mma)
+    c["UNROLL_K"] = c["TMA"] = 0
     if m == 1:
         # A GEMV streams the weights once: split K until there are about four programs per SM,
         # so that every SM keeps loads in flight to the end.
@@ -348,6 +409,13 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
         while (c["SPLIT_K"] < 8 and tiles * c["SPLIT_K"] < 4 * gpu.sms
                and c["SPLIT_K"] * 2 * c["BLOCK_K"] <= k):
             c["SPLIT_K"] *= 2
+        if point.weights:
+            # FP8 weights in the GEMV loop: half the bytes per tile, so two K-steps per
+            # iteration and wider, shorter tiles; K split as for the 16-bit tiles. On the H100
+            # at Llama-2-7B dims (e4m3; grids of benchmarks/grid_spaces/*_gemv.yaml) ffn took
+            # 40.2 µs so, against 44.4 with the 16-bit default's tiles; qkv (its own BLOCK_N,
+            # BLOCK_K) 25.2 against 26.8, and 50-55 µs with SPLIT_K 2 or 4.
+            c.update(BLOCK_N=16, BLOCK_K=256, UNROLL_K=1)
     while check_fits(resources(c, point), gpu) is not None:
         if c["num_stages"] > 2:
             c["num_stages"] -= 1
@@ -374,6 +442,8 @@ def collapse_tiles(config: Config, rows: int, n: int, k: int) -> Config:
             c["ACT_FP8"] = 0
     else:
         c["BLOCK_N"] = max(c["BLOCK_N"], 16)  # tl.dot needs 16 columns
+        if "UNROLL_K" in c:  # the tensor-core loop is pipelined by num_stages instead
+            c["UNROLL_K"] = 0
     c["BLOCK_N"] = min(c["BLOCK_N"], max(16, next_pow2(n)))
     c["BLOCK_K"] = min(c["BLOCK_K"], max(16, next_pow2(k)))
     if -(-rows // c["BLOCK_M"]) == 1:
@@ -381,6 +451,49 @@ def collapse_tiles(config: Config, rows: int, n: int, k: int) -> Config:
     steps = -(-k // c["BLOCK_K"])
     while c["SPLIT_K"] > 1 and c["SPLIT_K"] > steps:
         c["SPLIT_K"] //= 2
+    if c.get("UNROLL_K") and -(-steps // c["SPLIT_K"]) < 2:  # one K-step: nothing to unroll
+        c["UNROLL_K"] = 0
+    return c
+
+
+@functools.cache
+def cuda_capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device `index`."""
+    return torch.cuda.get_device_capability(index)
+
+
+def check_tma(kernel: str, device: torch.device) -> None:
+    """ValueError unless kernels on `device` can read tiles through TMA descriptors (TMA = 1:
+    compute capability 9.0+, or the interpreter)."""
+    if device.type != "cuda":
+        if interpreting():
+            return
+        raise ValueError(f"{kernel}: TMA=1 needs a CUDA GPU of compute capability 9.0+; use TMA=0")
+    major, minor = cuda_capability(device.index if device.index is not None
+                                   else torch.cuda.current_device())
+    if (major, minor) < (9, 0):
+        raise ValueError(f"{kernel}: TMA=1 needs TMA descriptors (compute capability 9.0+), "
+                         f"{device} has compute capability {major}.{minor}; use TMA=0")
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can cover these 2-D tensors: unit column stride, and the start
+    and the row stride on 16-byte boundaries (else the kernel reads them by pointers)."""
+    return all(t.ndim == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+               and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
+
+
+def collapse_tma(config: Config, point: Point, k: int, kernel_has_tma: bool = True) -> Config:
+    """TMA = 1 only where the K loop can take it: a kernel with the TMA loop
+    (`kernel_has_tma`), tensor-core tiles (BLOCK_M > 1) that reach the MMA untouched
+    (PASSES = 2, weights in x's dtype), boxes of at most TMA_MAX_BOX per side, and rows of k
+    elements that start on 16-byte boundaries (what a descriptor needs)."""
+    c = dict(config)
+    if c.get("TMA") and not (
+            kernel_has_tma and c["BLOCK_M"] > 1 and c["PASSES"] == 2 and not point.weights
+            and max(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) <= TMA_MAX_BOX
+            and k * DTYPE_BYTES[point.dtype] % 16 == 0):
+        c["TMA"] = 0
     return c
 
 
@@ -391,11 +504,13 @@ GEMV_MAX_ROWS = 4
 
 def gemv_resources(config: Config, rows: int, w_bytes: int, n_weights: int) -> Resources:
     """Resources of a BLOCK_M = 1 config (gemv_two_products): float32 accumulators of
-    n_weights [BLOCK_K, BLOCK_N] tiles plus the loaded tiles (w_bytes per element) in registers;
-    shared memory only for the final cross-warp sums (<= 4·BLOCK_K bytes on sm_90)."""
+    n_weights [BLOCK_K, BLOCK_N] tiles plus the loaded tiles (w_bytes per element; two K-steps'
+    worth with UNROLL_K) in registers; shared memory only for the final cross-warp sums
+    (<= 4·BLOCK_K bytes on sm_90)."""
     bn, bk = config["BLOCK_N"], config["BLOCK_K"]
     threads = 32 * config["num_warps"]
-    regs = (n_weights * bk * bn * (4 + w_bytes) // 4 + bk) // threads + 32
+    loaded = w_bytes * (1 + config.get("UNROLL_K", 0))
+    regs = (n_weights * bk * bn * (4 + loaded) // 4 + bk) // threads + 32
     unfit = ""
     if rows > GEMV_MAX_ROWS:
         unfit = (f"structure: BLOCK_M=1 (one row per program) re-reads the weights for each of "
@@ -434,10 +549,16 @@ def pipelined_smem(config: Config, elt: int, n_weights: int, epilogue: bool,
         # Untouched operands go to the tensor cores straight from shared memory: with wgmma
         # (Hopper, BLOCK_M >= 64) the compiler then keeps num_stages full sets of tiles.
         return max(folded, stages * tile)
+    if config.get("PASSES", 1) == 2 and wgmma:
+        # Weight tiles upcast in registers after a norm pass: Triton 3.6 on sm_90 kept
+        # num_stages sets of the loaded tiles plus BLOCK_K x BLOCK_N bytes per weight (lola,
+        # e4m3: 81920 B at 128/128/64 with 3 stages, 114688 B at 128/128/128 with 2).
+        return max(folded, stages * tile + n_weights * bk * bn * w_elt)
     return folded
 
 
 # The jit helpers a kernel built on two_products compiles in: part of its source hash.
 TWO_PRODUCT_SOURCES = (grouped_tile, k_slice, partial_ptrs, two_products, mma_two_products,
-                       gemv_two_products, two_partials_added, store_two_partials, dot,
+                       gemv_two_products, tma_two_products, two_partials_added,
+                       store_two_partials, dot,
                        rms_scaled, mma_weight, scale_product, rms_scaled_products)

@@ -101,6 +101,7 @@ class Resources:
     regs_per_thread: int
     threads: int
     fp8_mma: bool = False  # tl.dot on FP8 operands: needs FP8 tensor cores
+    tma: bool = False  # tiles read through TMA descriptors: needs compute capability 9.0+
     unfit: str = ""  # why the config's structure cannot serve the point at all ("name: ...")
 
 
@@ -233,8 +234,8 @@ class KernelSpec:
 def check_fits(res: Resources, gpu: GpuSpec) -> str | None:
     """Why a config cannot run well on `gpu` (None if it fits), from the predicted resources.
 
-    The reason starts with the limit's name (fp8-tensor-cores, threads, shared-memory, registers)
-    for counting.
+    The reason starts with the limit's name (fp8-tensor-cores, tma, threads, shared-memory,
+    registers) for counting.
     """
     if res.unfit:
         return res.unfit
@@ -242,6 +243,10 @@ def check_fits(res: Resources, gpu: GpuSpec) -> str | None:
         major, minor = gpu.compute_capability
         return (f"fp8-tensor-cores: ACT_FP8=1 needs FP8 tensor cores (compute capability 8.9+), "
                 f"{gpu.name} has {major}.{minor}")
+    if res.tma and not gpu.tma:
+        major, minor = gpu.compute_capability
+        return (f"tma: TMA=1 needs TMA descriptors (compute capability 9.0+), {gpu.name} has "
+                f"{major}.{minor}")
     if res.threads > gpu.max_threads_per_block:
         return f"threads: {res.threads} > {gpu.max_threads_per_block} per block"
     if res.smem_bytes > gpu.smem_per_block:

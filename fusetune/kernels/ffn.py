@@ -9,8 +9,8 @@ dtype or in FP8 with per-output-channel scales (fp8.py): the scales multiply a a
 epilogue, before silu.
 
 Tunables (search_spaces/ffn.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (programs that share
-weight tiles are launched together for L2 reuse), PASSES, SPLIT_K, ACT_FP8, num_warps,
-num_stages.
+weight tiles are launched together for L2 reuse), PASSES, SPLIT_K, ACT_FP8, UNROLL_K, TMA,
+num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels import fp8
@@ -29,13 +30,17 @@ from fusetune.kernels._matmul import (
     MATMUL_POW2_KEYS,
     MATMUL_TOLERANCE,
     TWO_PRODUCT_SOURCES,
+    check_tma,
     collapse_tiles,
+    collapse_tma,
     default_tiles,
     gemv_resources,
     grouped_tile,
     pipelined_smem,
     rms_scaled_products,
     store_two_partials,
+    tma_ready,
+    tma_two_products,
     two_partials_added,
     two_products,
 )
@@ -63,6 +68,7 @@ def _ffn_kernel(
     G,  # *[K] RMSNorm weight
     W1,  # *[N, K] gate projection (nn.Linear layout), row stride stride_wn
     W3,  # *[N, K] up projection, same layout and strides as W1
+    # (with TMA, X, W1 and W3 are TMA descriptors over the same tensors)
     OUT,  # *[M, N] output, row stride stride_om
     WS,  # *[2·SPLIT_K, M, N] float32 partial products (split-K only)
     WSQ,  # *[SPLIT_K, M] float32 partial sums of x² (split-K with PASSES == 1 only)
@@ -82,6 +88,8 @@ def _ffn_kernel(
     W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.mma_weight)
     ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
     W_SCALED: tl.constexpr,  # the weights have per-output-channel scales S1, S3
+    UNROLL_K: tl.constexpr,  # BLOCK_M == 1: two K-steps per loop iteration (gemv_two_products)
+    TMA: tl.constexpr,  # X, W1, W3 are TMA descriptors (PASSES == 2, see tma_two_products)
 ):
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
@@ -93,12 +101,16 @@ def _ffn_kernel(
     if FINISH:
         acc1, acc3, sumsq = two_partials_added(WS, WSQ, rm, rn, m_ok, mn_ok, M, N, BLOCK_M,
                                                BLOCK_N, SPLIT_K, PASSES)
+    elif TMA:
+        acc1, acc3 = tma_two_products(X, W1, W3, pid_m * BLOCK_M, pid_n * BLOCK_N, K, BLOCK_M,
+                                      BLOCK_N, BLOCK_K, SPLIT_K, IEEE)
+        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)  # not read: PASSES == 2
     else:
         # Weight tiles read transposed as [BLOCK_K, BLOCK_N] (W[n, k]): rows rn of W1 and W3.
         w_off = rn[None, :].to(tl.int64) * stride_wn
         acc1, acc3, sumsq = two_products(X, G, W1, w_off, W3, w_off, rm, m_ok, n_ok, K,
                                          stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PASSES,
-                                         IEEE, W_FP8)
+                                         IEEE, W_FP8, UNROLL_K)
 
     if SPLIT_K > 1 and not FINISH:
         store_two_partials(WS, WSQ, acc1, acc3, sumsq, rm, rn, m_ok, mn_ok, M, N, pid_n == 0,
@@ -135,24 +147,33 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
         x, sx = fp8.norm_fp8_rows(x, g, eps)
     elif config["PASSES"] == 2:
         x = rmsnorm(x, g, eps)
-    w1, w_fp8 = fp8.weight_operand(w1, act)
-    w3, _ = fp8.weight_operand(w3, act)
+    gemv = config["BLOCK_M"] == 1
+    w1, w_fp8 = fp8.weight_operand(w1, act, gemv)
+    w3, _ = fp8.weight_operand(w3, act, gemv)
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    # TMA: the K loop reads x, W1 and W3 through descriptors (boxes of one tile each), where
+    # the config asks for it and these tensors allow it (else the same tiles by pointers).
+    tma = bool(config.get("TMA")) and tma_ready(x, w1, w3) and w_fp8 == fp8.W_AS_IS
+    if tma:
+        check_tma("ffn", x.device)
+    xa, w1a, w3a = ((TensorDescriptor.from_tensor(x, [bm, bk]),
+                     TensorDescriptor.from_tensor(w1, [bn, bk]),
+                     TensorDescriptor.from_tensor(w3, [bn, bk])) if tma else (x, w1, w3))
     split = config["SPLIT_K"]
     ws = wsq = out  # not read unless split > 1
     if split > 1:
         ws = torch.empty((2 * split, m, n), dtype=torch.float32, device=x.device)
         wsq = torch.empty((split, m), dtype=torch.float32, device=x.device)
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _ffn_kernel[grid](
-            x, g, w1, w3, out, ws, wsq, sx, out if s1 is None else s1,
+            xa, g, w1a, w3a, out, ws, wsq, sx, out if s1 is None else s1,
             out if s3 is None else s3, m, n, k, x.stride(0), w1.stride(0), out.stride(0),
-            eps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+            eps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"],
             PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
             IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act,
-            W_SCALED=s1 is not None,
+            W_SCALED=s1 is not None, UNROLL_K=config.get("UNROLL_K", 0), TMA=tma,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -178,8 +199,8 @@ def ffn(
     fusetune.quantize_fp8) with optional float32 scales per output channel `w1_scale`,
     `w3_scale` [hidden] (None: 1), W1 = w1_scale[:, None] · w1. Returns [..., hidden] in x's
     dtype. The config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8,
-    num_warps, num_stages) comes from the lookup tables (for this weight format) unless
-    `config` is given.
+    UNROLL_K, TMA, num_warps, num_stages) comes from the lookup tables (for this weight format)
+    unless `config` is given.
     """
     if x.ndim < 1:
         raise ValueError("ffn: x must have at least one dimension")
@@ -262,6 +283,7 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 
 def _canonical(config: Config, point: Point) -> Config:
     c = collapse_tiles(config, point.rows, point.dim["hidden"], point.dim["dim"])
+    c = collapse_tma(c, point, point.dim["dim"])
     return fp8.collapse_act_fp8(c, point, point.dim["dim"])
 
 
@@ -274,12 +296,15 @@ def _resources(config: Config, point: Point) -> Resources:
     if bm == 1:
         return gemv_resources(config, point.rows, w_elt, n_weights=2)
     smem = pipelined_smem(config, elt, n_weights=2, epilogue=True, operands=operands)
+    tma = bool(config.get("TMA"))
+    if tma:  # the copy engine fills num_stages full sets of tiles, each with its barrier
+        smem = max(smem, config["num_stages"] * (bm * bk + 2 * bk * bn) * elt + 1024)
     # Two float32 accumulators plus the operand fragments of one K-step (FP8 weight tiles
     # upcast in registers: in x's type, as the MMA reads them).
     w_bytes = elt if converted else w_elt
     regs = (2 * bm * bn + (bm * bk * x_elt + 2 * bk * bn * w_bytes) // 4) // threads + 40
     return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads,
-                     fp8_mma=fp8.act_fp8(config, point.weights))
+                     fp8_mma=fp8.act_fp8(config, point.weights), tma=tma)
 
 
 def _cost(point: Point) -> Cost:

@@ -8,9 +8,10 @@ added and before SiLU / GELU / RoPE / the bias. Two ways to multiply, a config k
 
 - ACT_FP8 = 0: each weight tile is upcast to the activations' dtype in registers before
   tl.dot (FP8 values are exact in float16, bfloat16 and float32, so the product sees exactly the
-  stored weights). Works on every GPU: on GPUs both formats are read as bytes (e4m3, which
-  Triton knows only from sm_89 on, decoded with integer operations; e5m2 is the top byte of a
-  float16), which on the H100 was also faster than Triton's own e4m3 conversion.
+  stored weights). Works on every GPU: e5m2 is read as bytes (the top byte of a float16);
+  e4m3, which Triton knows only from sm_89 on, with Triton's conversion (the hardware's) in the
+  one-row GEMV loop there, and as bytes decoded with integer operations otherwise, which
+  beside tl.dot on the H100 was faster than Triton's conversion (see weight_operand).
 - ACT_FP8 = 1 (with PASSES = 2, on GPUs with FP8 tensor cores): the norm pass writes the
   normalized activations as e4m3 with one float32 scale per row (`norm_fp8_rows`), the K loop
   multiplies FP8 by FP8 with float32 accumulation, and the epilogue multiplies by the row scale
@@ -22,13 +23,11 @@ added and before SiLU / GELU / RoPE / the bias. Two ways to multiply, a config k
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from fusetune.kernels._matmul import row_norm_stats
+from fusetune.kernels._matmul import cuda_capability, row_norm_stats
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     WEIGHT_FORMATS,
@@ -119,31 +118,30 @@ def quantize_rows(xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.float8_e4m3fn), scale
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def has_fp8(device: torch.device) -> bool:
     """Whether kernels on `device` have Triton's e4m3 type and FP8 tensor cores (compute
     capability 8.9+; the CPU interpreter emulates both)."""
     if device.type != "cuda":
         return interpreting()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (8, 9)
+    return cuda_capability(index) >= (8, 9)
 
 
-def weight_operand(w: torch.Tensor, act_fp8: bool) -> tuple[torch.Tensor, int]:
-    """The tensor a kernel receives for the weight `w` and its W_FP8 constexpr."""
+def weight_operand(w: torch.Tensor, act_fp8: bool, gemv: bool = False
+                   ) -> tuple[torch.Tensor, int]:
+    """The tensor a kernel receives for the weight `w` and its W_FP8 constexpr; `gemv`: the
+    config's structure is one row per program (BLOCK_M = 1)."""
     fmt = fp8_format(w.dtype)
     if fmt is None or act_fp8:
         return w, W_AS_IS
     if fmt == "e5m2":
         return w.view(torch.uint8), W_E5M2_BYTES
-    # On GPUs e4m3 is read as bytes too: with Triton's e4m3 -> float16 conversion instead, ffn
-    # at M = 1 took 104 µs on the H100, against 49.5 µs for e5m2 read as bytes (BENCHMARKS.md).
-    # The interpreter uses Triton's e4m3 type (where it has it).
-    if w.device.type == "cuda" or not has_fp8(w.device):
+    # e4m3 where this GPU's Triton has the type (sm_89+) and the interpreter: Triton's
+    # conversion, which on sm_90 is the hardware's (two bytes per instruction). In the GEMV
+    # loop that streamed the Llama-2-7B ffn's weights in 33.0 µs on an H200 against 41.0 µs
+    # decoded with integer operations; beside tl.dot it took 104 µs against 56.8 (H100, ffn at
+    # M = 1 with 16-row tiles; BENCHMARKS.md), so the tensor-core loop reads bytes.
+    if not has_fp8(w.device) or (w.device.type == "cuda" and not gemv):
         return w.view(torch.uint8), W_E4M3_BYTES
     return w, W_UPCAST
 
@@ -191,7 +189,7 @@ def check_act_fp8(kernel: str, device: torch.device) -> None:
         return
     has = "none"
     if device.type == "cuda":
-        major, minor = _capability(device.index if device.index is not None
+        major, minor = cuda_capability(device.index if device.index is not None
                                    else torch.cuda.current_device())
         has = f"compute capability {major}.{minor}"
     raise ValueError(f"{kernel}: ACT_FP8=1 needs FP8 tensor cores (compute capability 8.9+), "

@@ -13,7 +13,7 @@ orders of magnitude above their spread (normalized hidden states); the reference
 two-pass LayerNorm.
 
 Tunables (search_spaces/lola.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K,
-ACT_FP8, num_warps, num_stages.
+ACT_FP8, UNROLL_K, TMA, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels import fp8
@@ -31,7 +32,9 @@ from fusetune.kernels._matmul import (
     MATMUL_FLAGS,
     MATMUL_POW2_KEYS,
     MATMUL_TOLERANCE,
+    check_tma,
     collapse_tiles,
+    collapse_tma,
     default_tiles,
     dot,
     gemv_one_product,
@@ -43,6 +46,8 @@ from fusetune.kernels._matmul import (
     pipelined_smem,
     row_norm_stats,
     scale_product,
+    tma_one_product,
+    tma_ready,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
@@ -65,7 +70,7 @@ from fusetune.models import ModelPreset
 @triton.jit
 def _lola_kernel(
     X,  # *[M, K] activations (FP8 with ACT_FP8), row stride stride_xm, unit column stride
-    W,  # *[N, K] weight (nn.Linear layout), row stride stride_wn
+    W,  # *[N, K] weight (nn.Linear layout), row stride stride_wn (X, W: TMA descriptors with TMA)
     B,  # *[N] bias
     OUT,  # *[M, N] output, row stride stride_om
     WS,  # *[SPLIT_K, M, N] float32 partial products (split-K only)
@@ -86,6 +91,8 @@ def _lola_kernel(
     W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.mma_weight)
     ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
     W_SCALED: tl.constexpr,  # W has per-output-channel scales SW
+    UNROLL_K: tl.constexpr,  # BLOCK_M == 1: two K-steps per loop iteration (gemv_one_product)
+    TMA: tl.constexpr,  # X and W are TMA descriptors (PASSES == 2, see tma_one_product)
 ):
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
@@ -110,7 +117,10 @@ def _lola_kernel(
     elif BLOCK_M == 1:  # one row per program, no tensor cores (the decode structure)
         acc, sum_x, sum_x2, sum_w = gemv_one_product(
             X, W, rn[None, :].to(tl.int64) * stride_wn, rm, m_ok, n_ok, K, stride_xm, BLOCK_N,
-            BLOCK_K, SPLIT_K, PASSES, W_FP8)
+            BLOCK_K, SPLIT_K, PASSES, W_FP8, UNROLL_K)
+    elif TMA:  # PASSES == 2: the row and column sums are not needed
+        acc = tma_one_product(X, W, pid_m * BLOCK_M, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                              SPLIT_K, IEEE)
     else:
         k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
         rk = tl.arange(0, BLOCK_K)
@@ -211,22 +221,30 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
         x, sx = fp8.norm_fp8_rows(x, None, eps)
     elif config["PASSES"] == 2:
         x = layernorm_rows(x, eps)
-    w, w_fp8 = fp8.weight_operand(w, act)
+    w, w_fp8 = fp8.weight_operand(w, act, config["BLOCK_M"] == 1)
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    # TMA: the K loop reads x and W through descriptors, where the config asks for it and the
+    # tensors allow it (else the same tiles by pointers).
+    tma = bool(config.get("TMA")) and tma_ready(x, w) and w_fp8 == fp8.W_AS_IS
+    if tma:
+        check_tma("lola", x.device)
+    xa, wa = ((TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]))
+              if tma else (x, w))
     split = config["SPLIT_K"]
     ws = wst = out  # not read unless split > 1
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         wst = torch.empty((split, 2 * m + n), dtype=torch.float32, device=x.device)
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _lola_kernel[grid](
-            x, w, b, out, ws, wst, sx, out if sw is None else sw, m, n, k, x.stride(0),
+            xa, wa, b, out, ws, wst, sx, out if sw is None else sw, m, n, k, x.stride(0),
             w.stride(0), out.stride(0), eps,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"],
             PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
             IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act, W_SCALED=sw is not None,
+            UNROLL_K=config.get("UNROLL_K", 0), TMA=tma,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -250,8 +268,8 @@ def lola(
     `weight` is in x's dtype, or FP8 (torch.float8_e4m3fn or float8_e5m2, e.g. from
     fusetune.quantize_fp8) with optional float32 scales per output channel `weight_scale`
     [out_features] (None: 1), W = weight_scale[:, None] · weight. The config (BLOCK_M,
-    BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8, num_warps, num_stages) comes from the
-    lookup tables (for this weight format) unless `config` is given.
+    BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, TMA, num_warps, num_stages)
+    comes from the lookup tables (for this weight format) unless `config` is given.
     """
     if x.ndim < 1:
         raise ValueError("lola: x must have at least one dimension")
@@ -325,6 +343,7 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 
 def _canonical(config: Config, point: Point) -> Config:
     c = collapse_tiles(config, point.rows, point.dim["out"], point.dim["dim"])
+    c = collapse_tma(c, point, point.dim["dim"])
     return fp8.collapse_act_fp8(c, point, point.dim["dim"])
 
 
@@ -337,10 +356,13 @@ def _resources(config: Config, point: Point) -> Resources:
     if bm == 1:  # with PASSES == 1 the weights' sums take a second float32 tile
         return gemv_resources(config, point.rows, w_elt, n_weights=3 - config["PASSES"])
     smem = pipelined_smem(config, elt, n_weights=1, epilogue=False, operands=operands)
+    tma = bool(config.get("TMA"))
+    if tma:  # the copy engine fills num_stages full sets of tiles, each with its barrier
+        smem = max(smem, config["num_stages"] * (bm * bk + bk * bn) * elt + 1024)
     w_bytes = elt if converted else w_elt  # FP8 weights upcast: the MMA reads x's type
     regs = (bm * bn + (bm * bk * x_elt + bk * bn * w_bytes) // 4 + bk * bn) // threads + 40
     return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads,
-                     fp8_mma=fp8.act_fp8(config, point.weights))
+                     fp8_mma=fp8.act_fp8(config, point.weights), tma=tma)
 
 
 def _cost(point: Point) -> Cost:
@@ -372,8 +394,8 @@ SPEC = KernelSpec(
     dims_from_model=_dims_from_model,
     tolerance=MATMUL_TOLERANCE,
     source_objects=(_lola_kernel, _layernorm_kernel, row_norm_stats, grouped_tile, k_slice,
-                    partial_ptrs, dot, gemv_one_product, mma_weight, scale_product, _launch_2d,
-                    layernorm_rows, *fp8.FP8_SOURCES),
+                    partial_ptrs, dot, gemv_one_product, tma_one_product, mma_weight,
+                    scale_product, _launch_2d, layernorm_rows, *fp8.FP8_SOURCES),
     flags=MATMUL_FLAGS,
     weight_formats=WEIGHT_FORMATS,
     config_tolerance=fp8.config_tolerance,

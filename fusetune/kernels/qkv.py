@@ -14,7 +14,7 @@ rstd per row in the epilogue). V goes through the same code with a zero angle. T
 in x's dtype or in FP8 with per-output-channel scales (fp8.py), applied before RoPE.
 
 Tunables (search_spaces/qkv.yaml): BLOCK_M, BLOCK_N (pairs per program), BLOCK_K, GROUP_M,
-PASSES, SPLIT_K, ACT_FP8, num_warps, num_stages.
+PASSES, SPLIT_K, ACT_FP8, UNROLL_K, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from fusetune.kernels._matmul import (
     MATMUL_TOLERANCE,
     TWO_PRODUCT_SOURCES,
     collapse_tiles,
+    collapse_tma,
     default_tiles,
     gemv_resources,
     grouped_tile,
@@ -91,6 +92,7 @@ def _qkv_kernel(
     W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.mma_weight)
     ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
     W_SCALED: tl.constexpr,  # the weights have per-output-channel scales SQ, SK, SV
+    UNROLL_K: tl.constexpr,  # BLOCK_M == 1: two K-steps per loop iteration (gemv_two_products)
 ):
     # Column-blocks of the three matrices side by side: [Q blocks | K blocks | V blocks].
     nb_q = tl.cdiv(NQ_PAIRS, BLOCK_N)
@@ -136,7 +138,7 @@ def _qkv_kernel(
         acc_a, acc_b, sumsq = two_products(X, G, W, col_a[None, :].to(tl.int64) * stride_w,
                                            W, col_b[None, :].to(tl.int64) * stride_w, rm, m_ok,
                                            p_ok, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
-                                           PASSES, IEEE, W_FP8)
+                                           PASSES, IEEE, W_FP8, UNROLL_K)
 
     if SPLIT_K > 1 and not FINISH:
         store_two_partials(WS, WSQ, acc_a, acc_b, sumsq, rm, first + p, m_ok, mp_ok, M,
@@ -191,9 +193,10 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
         x, sx = fp8.norm_fp8_rows(x, g, eps)
     elif config["PASSES"] == 2:
         x = rmsnorm(x, g, eps)
-    wq, w_fp8 = fp8.weight_operand(wq, act)
-    wk, _ = fp8.weight_operand(wk, act)
-    wv, _ = fp8.weight_operand(wv, act)
+    gemv = config["BLOCK_M"] == 1
+    wq, w_fp8 = fp8.weight_operand(wq, act, gemv)
+    wk, _ = fp8.weight_operand(wk, act, gemv)
+    wv, _ = fp8.weight_operand(wv, act, gemv)
     sq, sk, sv = scales if scales is not None else (oq, oq, oq)
     half = head_dim // 2
     nq_pairs, nkv_pairs = wq.shape[0] // 2, wk.shape[0] // 2
@@ -216,7 +219,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
             BLOCK_M=config["BLOCK_M"], BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], INTERLEAVED=interleaved, PASSES=config["PASSES"],
             SPLIT_K=split, FINISH=finish, IEEE=x.dtype == torch.float32, W_FP8=w_fp8,
-            ACT_FP8=act, W_SCALED=scales is not None,
+            ACT_FP8=act, W_SCALED=scales is not None, UNROLL_K=config.get("UNROLL_K", 0),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -250,8 +253,8 @@ def qkv(
     wq, wk and wv are in x's dtype, or all three FP8 (torch.float8_e4m3fn or float8_e5m2, e.g.
     from fusetune.quantize_fp8) with optional float32 scales per output channel `wq_scale`
     [Nq], `wk_scale`, `wv_scale` [Nkv] (None: 1). The config (BLOCK_M, BLOCK_N, BLOCK_K,
-    GROUP_M, PASSES, SPLIT_K, ACT_FP8, num_warps, num_stages) comes from the lookup tables
-    (for this weight format) unless `config` is given.
+    GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, num_warps, num_stages) comes from the lookup
+    tables (for this weight format) unless `config` is given.
     """
     if x.ndim != 3:
         raise ValueError(f"qkv: x must be [batch, seq, dim], got shape {tuple(x.shape)}")
@@ -393,6 +396,7 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 
 def _canonical(config: Config, point: Point) -> Config:
     c = collapse_tiles(config, point.rows, _pairs(point), point.dim["dim"])
+    c = collapse_tma(c, point, point.dim["dim"], kernel_has_tma=False)  # no TMA loop here
     return fp8.collapse_act_fp8(c, point, point.dim["dim"])
 
 

@@ -123,9 +123,15 @@ def parse_space(text: str, spec: KernelSpec, source: str) -> SearchSpace:
     if not isinstance(params_raw, Mapping):
         raise SpaceError(f"{source}: 'params' must be a mapping of parameter -> range")
     names = list(params_raw)
-    if sorted(names) != sorted(spec.config_keys):
+    # A flag may be left out (spaces written before it existed): it keeps its default value.
+    left_out = [k for k in spec.config_keys if k not in names]
+    if any(n not in spec.config_keys for n in names) or any(k not in spec.flags
+                                                            for k in left_out):
+        optional = (f" (the flags {', '.join(spec.flags)} may be left out: they keep their "
+                    "defaults)" if spec.flags else "")
         raise SpaceError(f"{source}: params are {', '.join(map(str, names))}; a {spec.name} "
-                         f"space has exactly {', '.join(spec.config_keys)}")
+                         f"space has exactly {', '.join(spec.config_keys)}{optional}")
+    params_raw = {**{k: {"values": [spec.flags[k]]} for k in left_out}, **params_raw}
     params = tuple(_parse_param(n, params_raw[n], source, n in spec.flags)
                    for n in spec.config_keys)
     for p in params:

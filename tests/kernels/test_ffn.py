@@ -88,13 +88,45 @@ def test_configs_and_grouping(config: dict[str, int]) -> None:
     check(*make(70, 96, 80, torch.float16), config=config)
 
 
-@pytest.mark.parametrize(("passes", "split"), [(1, 1), (2, 1), (1, 4), (2, 16)])
-def test_gemv_awkward_width_d3000(passes: int, split: int) -> None:
+@pytest.mark.parametrize(("passes", "split", "unroll"),
+                         [(1, 1, 0), (2, 1, 0), (1, 4, 0), (2, 16, 0), (1, 1, 1), (2, 4, 1),
+                          (1, 2, 1)])
+def test_gemv_awkward_width_d3000(passes: int, split: int, unroll: int) -> None:
     # K = 3000 is not a multiple of BLOCK_K: the last step of the last K-slice is partial.
+    # UNROLL_K = 1 takes the steps two by two: 12 steps whole, 3 per slice with SPLIT_K = 4 (the
+    # second step of each slice's last iteration is empty), 6 per slice with 2.
     x, g, w1, w3 = make(3, 3000, 24, torch.float16)
     check(x, g, w1, w3, config={"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 256, "GROUP_M": 1,
-                                "PASSES": passes, "SPLIT_K": split, "num_warps": 2,
-                                "num_stages": 1})
+                                "PASSES": passes, "SPLIT_K": split, "UNROLL_K": unroll,
+                                "num_warps": 2, "num_stages": 1})
+
+
+TMA_CONFIGS = [
+    {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 1,
+     "TMA": 1, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 2, "SPLIT_K": 2,
+     "TMA": 1, "num_warps": 4, "num_stages": 3},
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("config", TMA_CONFIGS, ids=["tma", "tma-split"])
+def test_tma_descriptors(config: dict[str, int], dtype: torch.dtype) -> None:
+    # Tiles through TMA descriptors: 70 rows x 80 hidden leave boxes past the bottom and right
+    # edges; K = 96 is three whole K-steps, K = 3000 ends with a partial one.
+    check(*make(70, 96, 80, dtype), config=config)
+    check(*make(5, 3000, 24, dtype), config=config)
+
+
+def test_tma_falls_back_to_pointers_where_descriptors_cannot_cover() -> None:
+    # Rows of 100 float16 (200 bytes) do not start on 16-byte boundaries; a weight that starts
+    # 2 bytes into its storage neither: the same tiles are read by pointers.
+    check(*make(3, 100, 24, torch.float16), config=TMA_CONFIGS[0])
+    x, g, w1, w3 = make(3, 64, 24, torch.float16)
+    w1_off = torch.empty(24 * 64 + 1, dtype=w1.dtype, device=w1.device)[1:].view(24, 64)
+    w1_off.copy_(w1)
+    assert w1_off.data_ptr() % 16 != 0
+    check(x, g, w1_off, w3, config=TMA_CONFIGS[0])
 
 
 def test_leading_shape_strides_and_eps() -> None:
@@ -172,6 +204,41 @@ def test_canonical_and_resources() -> None:
     assert cost.bytes > 2 * 11008 * 4096 * 2  # both weight matrices at least
 
 
+def test_unroll_k_only_where_there_are_steps_to_pair() -> None:
+    gemv = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
+            "SPLIT_K": 1, "UNROLL_K": 1, "num_warps": 4, "num_stages": 1}
+    assert SPEC.canonical(gemv, point(1))["UNROLL_K"] == 1  # 8 K-steps
+    assert SPEC.canonical({**gemv, "SPLIT_K": 4}, point(1))["UNROLL_K"] == 1  # 2 per slice
+    assert SPEC.canonical({**gemv, "SPLIT_K": 8}, point(1))["UNROLL_K"] == 0  # 1 per slice
+    # The tensor-core loop is pipelined by num_stages: UNROLL_K means nothing there.
+    assert SPEC.canonical({**gemv, "BLOCK_M": 16, "BLOCK_N": 64}, point(16))["UNROLL_K"] == 0
+    # A config without it (tables written before it) means 0.
+    assert SPEC.validate_config({k: v for k, v in gemv.items() if k != "UNROLL_K"})[
+        "UNROLL_K"] == 0
+    # Two steps' loaded tiles live in registers at once.
+    regs = [SPEC.resources({**gemv, "UNROLL_K": u}, point(1)).regs_per_thread for u in (0, 1)]
+    assert regs[1] > regs[0]
+
+
+def test_tma_only_where_descriptors_can_feed_the_tensor_cores() -> None:
+    tile = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2,
+            "SPLIT_K": 1, "TMA": 1, "num_warps": 8, "num_stages": 3}
+    p = point(4096)
+    assert SPEC.canonical(tile, p)["TMA"] == 1
+    assert SPEC.canonical({**tile, "PASSES": 1}, p)["TMA"] == 0  # x is scaled in registers
+    assert SPEC.canonical({**tile, "BLOCK_M": 1, "BLOCK_N": 8}, point(1))["TMA"] == 0  # GEMV
+    fp8_point = Point.make("ffn", {"dim": 4096, "hidden": 11008}, 1, 4096, "float16", "fp8-e4m3")
+    assert SPEC.canonical(tile, fp8_point)["TMA"] == 0  # FP8 weights
+    odd = Point.make("ffn", {"dim": 100, "hidden": 64}, 1, 4096, "float16")
+    assert SPEC.canonical(tile, odd)["TMA"] == 0  # 200-byte rows: no descriptor
+    # Pruned before compiling where the GPU has no TMA (before Hopper), with the reason.
+    res = SPEC.resources(SPEC.canonical(tile, p), p)
+    assert check_fits(res, gpus.resolve("h100")) is None
+    why = check_fits(res, gpus.resolve("a100"))
+    assert why is not None and why.startswith("tma: TMA=1 needs TMA descriptors"), why
+    assert SPEC.validate_config({k: v for k, v in tile.items() if k != "TMA"})["TMA"] == 0
+
+
 # Shared memory Triton 3.9 allocated when compiling the kernel for sm_90 (fp16/bf16, fp32):
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, PASSES) -> bytes. The model must not
 # predict less, or configs that cannot run would be compiled.
@@ -209,8 +276,18 @@ def test_gpu_llama_dims(dtype: torch.dtype, m: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("m", "split"), [(1, 1), (1, 4), (5, 2)])
-def test_gpu_gemv_structure(dtype: torch.dtype, m: int, split: int) -> None:
+@pytest.mark.parametrize(("m", "split"), [(300, 1), (37, 2)])
+def test_gpu_tma_descriptors(dtype: torch.dtype, m: int, split: int) -> None:
+    check(*make(m, 4096, 11008, dtype), config={
+        "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2,
+        "SPLIT_K": split, "TMA": 1, "num_warps": 8, "num_stages": 3})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("m", "split", "unroll"), [(1, 1, 0), (1, 4, 0), (5, 2, 0), (1, 1, 1),
+                                                    (3, 2, 1)])
+def test_gpu_gemv_structure(dtype: torch.dtype, m: int, split: int, unroll: int) -> None:
     check(*make(m, 4096, 11008, dtype), config={
         "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "GROUP_M": 1, "PASSES": 1,
-        "SPLIT_K": split, "num_warps": 2, "num_stages": 1})
+        "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1})

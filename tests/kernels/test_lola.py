@@ -64,11 +64,13 @@ def test_awkward_width_d3000(passes: int, split: int) -> None:
                   "SPLIT_K": split, "num_warps": 4, "num_stages": 2})
 
 
-@pytest.mark.parametrize(("passes", "split"), [(1, 1), (2, 1), (1, 4), (2, 16)])
-def test_gemv_awkward_width_d3000(passes: int, split: int) -> None:
+@pytest.mark.parametrize(("passes", "split", "unroll"),
+                         [(1, 1, 0), (2, 1, 0), (1, 4, 0), (2, 16, 0), (1, 4, 1), (2, 1, 1)])
+def test_gemv_awkward_width_d3000(passes: int, split: int, unroll: int) -> None:
+    # 12 K-steps, the last partial; UNROLL_K = 1 with SPLIT_K = 4 leaves an empty step.
     check(*make(3, 3000, 24, torch.float16),
           config={"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 256, "GROUP_M": 1, "PASSES": passes,
-                  "SPLIT_K": split, "num_warps": 2, "num_stages": 1})
+                  "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1})
 
 
 @pytest.mark.parametrize("config", [
@@ -114,6 +116,31 @@ def test_bad_inputs() -> None:
                                        "num_stages": 2})
 
 
+TMA_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "PASSES": 2,
+              "SPLIT_K": 1, "TMA": 1, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("split", [1, 2])
+def test_tma_descriptors(split: int, dtype: torch.dtype) -> None:
+    # Boxes past the bottom and right edges (70 x 80); K = 3000 ends with a partial K-step.
+    check(*make(70, 96, 80, dtype), config={**TMA_CONFIG, "SPLIT_K": split})
+    check(*make(5, 3000, 24, dtype), config={**TMA_CONFIG, "SPLIT_K": split})
+    # 100 float16 a row (200 bytes) cannot start on 16-byte boundaries: read by pointers.
+    check(*make(3, 100, 24, dtype), config=TMA_CONFIG)
+
+
+def test_tma_canonical_and_pruning() -> None:
+    p = Point.make("lola", {"dim": 4096, "out": 16384}, 1, 4096, "float16")
+    assert SPEC.canonical(TMA_CONFIG, p)["TMA"] == 1
+    assert SPEC.canonical({**TMA_CONFIG, "PASSES": 1}, p)["TMA"] == 0  # sums from registers
+    fp8_p = Point.make("lola", {"dim": 4096, "out": 16384}, 1, 4096, "float16", "fp8-e4m3")
+    assert SPEC.canonical(TMA_CONFIG, fp8_p)["TMA"] == 0
+    res = SPEC.resources(SPEC.canonical(TMA_CONFIG, p), p)
+    assert res.tma and check_fits(res, gpus.resolve("h100")) is None
+    assert (check_fits(res, gpus.resolve("3090")) or "").startswith("tma: ")
+
+
 def test_spec() -> None:
     for gpu in ("3090", "h100"):
         for rows in (1, 4096):
@@ -143,6 +170,15 @@ def test_smem_model_covers_the_compiler() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("m", "d", "n", "split"), [(512, 768, 3072, 1), (37, 4096, 16384, 2)])
+def test_gpu_tma_descriptors(dtype: torch.dtype, m: int, d: int, n: int, split: int) -> None:
+    check(*make(m, d, n, dtype), config={
+        "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2,
+        "SPLIT_K": split, "TMA": 1, "num_warps": 8, "num_stages": 3})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("m", "d", "n"), [(1, 4096, 16384), (512, 768, 3072), (37, 768, 3072)])
 def test_gpu_gpt_dims(dtype: torch.dtype, m: int, d: int, n: int) -> None:
     check(*make(m, d, n, dtype))
@@ -150,8 +186,10 @@ def test_gpu_gpt_dims(dtype: torch.dtype, m: int, d: int, n: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("m", "passes", "split"), [(1, 1, 1), (1, 2, 4), (3, 1, 2)])
-def test_gpu_gemv_structure(dtype: torch.dtype, m: int, passes: int, split: int) -> None:
+@pytest.mark.parametrize(("m", "passes", "split", "unroll"),
+                         [(1, 1, 1, 0), (1, 2, 4, 0), (3, 1, 2, 0), (1, 1, 1, 1), (1, 2, 2, 1)])
+def test_gpu_gemv_structure(dtype: torch.dtype, m: int, passes: int, split: int, unroll: int
+                            ) -> None:
     check(*make(m, 4096, 16384, dtype), config={
         "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": passes,
-        "SPLIT_K": split, "num_warps": 4, "num_stages": 1})
+        "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 4, "num_stages": 1})

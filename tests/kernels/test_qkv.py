@@ -111,6 +111,9 @@ def test_llama_head_layouts(nh: int, nkv: int, hd: int, interleaved: bool) -> No
      "num_warps": 2, "num_stages": 1},
     {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 2,
      "num_warps": 4, "num_stages": 2},
+    # two K-steps per iteration (K = 96: two steps of 32 and an empty one after the third)
+    {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
+     "UNROLL_K": 1, "num_warps": 2, "num_stages": 1},
 ])
 def test_configs(config: dict[str, int]) -> None:
     # Blocks straddle heads and the Q/K/V boundaries, rows span several row-blocks.
@@ -194,9 +197,10 @@ def test_sincos_accuracy() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 4])
-def test_gpu_gemv_structure(dtype: torch.dtype, interleaved: bool, rows: int) -> None:
+@pytest.mark.parametrize(("rows", "unroll"), [(1, 0), (4, 0), (1, 1)])
+def test_gpu_gemv_structure(dtype: torch.dtype, interleaved: bool, rows: int, unroll: int
+                            ) -> None:
     config = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
-              "SPLIT_K": 2, "num_warps": 4, "num_stages": 2}
+              "SPLIT_K": 2, "UNROLL_K": unroll, "num_warps": 4, "num_stages": 2}
     check(make(1, rows, 4096, 32, 8, 128, dtype), 128, start_pos=4000, interleaved=interleaved,
           config=config)

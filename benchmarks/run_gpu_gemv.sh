@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One GPU call: the one-row GEMV structure at decode after UNROLL_K and Triton's e4m3
+# conversion. The GEMV GPU tests; exhaustive grids of the GEMV sub-spaces
+# (benchmarks/grid_spaces/*_gemv.yaml) for ffn, qkv and lola 4096->16384 with 16-bit weights and
+# ffn, qkv with e4m3 weights; their winners exported as tables; then benchmarks/bench_decode.py
+# on those tables (kernel launches beside the read-only kernel of the same bytes), 16-bit and
+# e4m3. Everything lands in $OUT/gemv.tgz (see gpu_steps.sh).
+#   source .whl/setup.sh && bash benchmarks/run_gpu_gemv.sh
+set -uo pipefail
+source "$(dirname "$0")/gpu_steps.sh" gemv
+gpu=$(python3 -c "import torch; from fusetune.tables import gpu_for_device; \
+print(gpu_for_device(torch.device('cuda')).name)")
+db=sqlite:///$work/gemv_grid.db
+spaces=benchmarks/grid_spaces
+grid() {  # NAME KERNEL ARGS...: one point's grid (one replay seed: the grid is the point)
+  local name=$1 kernel=$2; shift 2
+  step "grid_$name" 150 python3 -m fusetune.cli evaluate-search --kernel "$kernel" --gpu "$gpu" \
+    --db "$db" --isolate --trial-timeout 60 --seeds 1 --strategies random --dtype float16 \
+    --batch 1 --seq 1 --space "$spaces/${kernel}_gemv.yaml" "$@"
+}
+step gemv_tests 240 python3 -m pytest -q -m gpu -k "gemv" tests/kernels/test_ffn.py \
+  tests/kernels/test_qkv.py tests/kernels/test_lola.py tests/kernels/test_fp8.py
+grid ffn ffn --model llama-2-7b
+grid qkv qkv --model llama-2-7b
+grid lola lola --dims dim=4096,out=16384
+grid ffn_e4m3 ffn --model llama-2-7b --weights fp8-e4m3
+grid qkv_e4m3 qkv --model llama-2-7b --weights fp8-e4m3
+step export 60 python3 -m fusetune.cli export "$work/gemv_tables.yaml" --gpu "$gpu" --db "$db"
+export FUSETUNE_TABLES=$work/gemv_tables.yaml
+step decode 120 python3 -m benchmarks.bench_decode
+step decode_e4m3 120 python3 -m benchmarks.bench_decode --weights fp8-e4m3
