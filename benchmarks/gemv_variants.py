@@ -35,15 +35,21 @@ N, K = 22016, 4096
 
 
 @triton.jit
+def _weight_tile(W, N, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's output rows rn (BLOCK_N of them; w_ok: which exist), the K offsets rk of
+    one step and the pointers of its first [BLOCK_K, BLOCK_N] weight tile: W[n, k] read
+    transposed, k contiguous (16-byte vector loads)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    return rn, rn < N, rk, W + (rn[None, :].to(tl.int64) * stride_wn + rk[:, None])
+
+
+@triton.jit
 def _gemv_x1d(X, W, OUT, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               W_FP8: tl.constexpr):
-    # Program p: output rows [p·BLOCK_N, (p+1)·BLOCK_N); W[n, k] read as [BLOCK_K, BLOCK_N]
-    # tiles (k contiguous: 16-byte vector loads), the row x as a [BLOCK_K] vector broadcast
-    # over the tile's columns.
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_ok = rn < N
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = W + (rn[None, :].to(tl.int64) * stride_wn + rk[:, None])
+    # Program p: output rows [p·BLOCK_N, (p+1)·BLOCK_N) from [BLOCK_K, BLOCK_N] weight tiles;
+    # the row x as a [BLOCK_K] vector broadcast over the tile's columns.
+    rn, w_ok, rk, w_ptrs = _weight_tile(W, N, stride_wn, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0  # masked lanes of a partial last step read 0
@@ -61,10 +67,7 @@ def _gemv_unrolled(X, W, OUT, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: t
     # As _gemv_x1d, with x loaded through a [BLOCK_K, BLOCK_N] pointer tile that repeats each
     # row address over the columns (the load then has the weight tile's layout: no exchange
     # through shared memory), and U K-steps per iteration, unrolled.
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_ok = rn < N
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = W + (rn[None, :].to(tl.int64) * stride_wn + rk[:, None])
+    rn, w_ok, rk, w_ptrs = _weight_tile(W, N, stride_wn, BLOCK_N, BLOCK_K)
     x_ptrs = tl.broadcast_to((X + rk)[:, None], (BLOCK_K, BLOCK_N))
     acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K * U):
@@ -84,10 +87,7 @@ def _gemv_prefetch(X, W, OUT, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: t
                    W_FP8: tl.constexpr):
     # As _gemv_unrolled with U = 1, the next K-step's weight tile loaded before this one's
     # products (carried in registers from one iteration to the next).
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_ok = rn < N
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = W + (rn[None, :].to(tl.int64) * stride_wn + rk[:, None])
+    rn, w_ok, rk, w_ptrs = _weight_tile(W, N, stride_wn, BLOCK_N, BLOCK_K)
     x_ptrs = tl.broadcast_to((X + rk)[:, None], (BLOCK_K, BLOCK_N))
     acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     w = tl.load(w_ptrs, mask=(rk < K)[:, None] & w_ok[None, :], other=0.0,

@@ -476,11 +476,17 @@ def check_tma(kernel: str, device: torch.device) -> None:
                          f"{device} has compute capability {major}.{minor}; use TMA=0")
 
 
-def tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether TMA descriptors can cover these 2-D tensors: unit column stride, and the start
-    and the row stride on 16-byte boundaries (else the kernel reads them by pointers)."""
-    return all(t.ndim == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
-               and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
+def use_tma(config: Config, act_fp8: bool, w_fp8: int, *tensors: torch.Tensor) -> bool:
+    """Whether a launch reads its tiles through TMA descriptors: the config asks for it (TMA),
+    its structure has the TMA loop (what collapse_tma keeps: tensor-core tiles after a norm
+    pass, boxes of at most TMA_MAX_BOX, weights in x's dtype: no FP8 activations, W_FP8 0)
+    and the descriptors can cover these 2-D tensors (unit column stride, start and row stride
+    on 16-byte boundaries). Otherwise the same tiles are read by pointers."""
+    return (bool(config.get("TMA")) and config["BLOCK_M"] > 1 and config["PASSES"] == 2
+            and not act_fp8 and w_fp8 == 0
+            and max(config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) <= TMA_MAX_BOX
+            and all(t.ndim == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+                    and t.stride(0) * t.element_size() % 16 == 0 for t in tensors))
 
 
 def collapse_tma(config: Config, point: Point, k: int, kernel_has_tma: bool = True) -> Config:

@@ -39,10 +39,10 @@ from fusetune.kernels._matmul import (
     pipelined_smem,
     rms_scaled_products,
     store_two_partials,
-    tma_ready,
     tma_two_products,
     two_partials_added,
     two_products,
+    use_tma,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
@@ -153,7 +153,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     # TMA: the K loop reads x, W1 and W3 through descriptors (boxes of one tile each), where
     # the config asks for it and these tensors allow it (else the same tiles by pointers).
-    tma = bool(config.get("TMA")) and tma_ready(x, w1, w3) and w_fp8 == fp8.W_AS_IS
+    tma = use_tma(config, act, w_fp8, x, w1, w3)
     if tma:
         check_tma("ffn", x.device)
     xa, w1a, w3a = ((TensorDescriptor.from_tensor(x, [bm, bk]),

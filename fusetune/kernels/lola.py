@@ -47,7 +47,7 @@ from fusetune.kernels._matmul import (
     row_norm_stats,
     scale_product,
     tma_one_product,
-    tma_ready,
+    use_tma,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
@@ -225,7 +225,7 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     # TMA: the K loop reads x and W through descriptors, where the config asks for it and the
     # tensors allow it (else the same tiles by pointers).
-    tma = bool(config.get("TMA")) and tma_ready(x, w) and w_fp8 == fp8.W_AS_IS
+    tma = use_tma(config, act, w_fp8, x, w)
     if tma:
         check_tma("lola", x.device)
     xa, wa = ((TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]))

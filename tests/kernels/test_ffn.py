@@ -118,6 +118,12 @@ def test_tma_descriptors(config: dict[str, int], dtype: torch.dtype) -> None:
     check(*make(5, 3000, 24, dtype), config=config)
 
 
+@pytest.mark.parametrize("structure", [{"PASSES": 1}, {"BLOCK_M": 1, "BLOCK_N": 8}])
+def test_tma_asked_where_the_structure_has_no_tma_loop(structure: dict[str, int]) -> None:
+    # A config= that asks for TMA with the norm folded in, or for the GEMV: pointers, right.
+    check(*make(5, 96, 40, torch.float16), config={**TMA_CONFIGS[0], **structure})
+
+
 def test_tma_falls_back_to_pointers_where_descriptors_cannot_cover() -> None:
     # Rows of 100 float16 (200 bytes) do not start on 16-byte boundaries; a weight that starts
     # 2 bytes into its storage neither: the same tiles are read by pointers.

@@ -130,6 +130,12 @@ def test_tma_descriptors(split: int, dtype: torch.dtype) -> None:
     check(*make(3, 100, 24, dtype), config=TMA_CONFIG)
 
 
+@pytest.mark.parametrize("structure", [{"PASSES": 1}, {"BLOCK_M": 1, "BLOCK_N": 8}])
+def test_tma_asked_where_the_structure_has_no_tma_loop(structure: dict[str, int]) -> None:
+    # The folded LayerNorm needs the sums the pointer loop accumulates: TMA is not used.
+    check(*make(5, 96, 40, torch.float16), config={**TMA_CONFIG, **structure})
+
+
 def test_tma_canonical_and_pruning() -> None:
     p = Point.make("lola", {"dim": 4096, "out": 16384}, 1, 4096, "float16")
     assert SPEC.canonical(TMA_CONFIG, p)["TMA"] == 1
