@@ -21,10 +21,12 @@ and the same search run again resumes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -170,11 +172,12 @@ class DeviceSearch:
         threads = [threading.Thread(target=self._serve, args=(ctx,), daemon=True,
                                     name=f"fusetune-{ctx.device}") for ctx in self.contexts]
         try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                while t.is_alive():
-                    t.join(JOIN_POLL_S)
+            with self._stop_on_sigint():
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    while t.is_alive():
+                        t.join(JOIN_POLL_S)
         except KeyboardInterrupt:
             self._stop.set()
             self._join(threads)
@@ -187,6 +190,32 @@ class DeviceSearch:
         if self._stop.is_set():
             raise KeyboardInterrupt("the device search was stopped")
         return [r for r in self._results if r is not None]
+
+    @contextlib.contextmanager
+    def _stop_on_sigint(self) -> Iterator[None]:
+        """While the devices run, Ctrl-C (SIGINT) sets the stop first, then raises
+        KeyboardInterrupt as Python's handler does. Python runs the handler in the main thread
+        wherever it is, also inside a finalizer that the garbage collector runs there, where
+        the KeyboardInterrupt is reported and dropped; the stop is not, and `run` raises
+        KeyboardInterrupt once the devices have stopped. Only where a Python handler is in
+        place (the main thread, SIGINT not ignored)."""
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+        if not callable(previous):
+            yield
+            return
+        chained = previous
+
+        def on_sigint(signum: int, frame: object) -> None:
+            self._stop.set()
+            chained(signum, frame)
+
+        signal.signal(signal.SIGINT, on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, chained)
 
     @staticmethod
     def _join(threads: Sequence[threading.Thread]) -> None:
