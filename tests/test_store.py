@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 import yaml
-from sqlalchemy import Column, DateTime, ForeignKey, Integer, MetaData, String, Table
+from old_schema import create_old_table
+from sqlalchemy import Column, DateTime, Integer, String
 from sqlalchemy import UniqueConstraint as Unique
 
 from fusetune import export, tables
-from fusetune.db.models import Base, RunningRow, utcnow
+from fusetune.db.models import RunningRow, utcnow
 from fusetune.db.store import PointKey, Store, StoreError, make_engine, normalize_url
 from fusetune.tuner import liveness
 from fusetune.tuner.search import open_storage
@@ -319,17 +320,10 @@ def test_heartbeat_respects_a_live_claim_and_takes_over_a_dead_one(db_url: str) 
 
 def test_tables_of_an_earlier_version_are_upgraded(db_url: str) -> None:
     # ft_running as it was made before it had a config column
-    engine = make_engine(db_url)
-    Base.metadata.create_all(engine, tables=[Base.metadata.tables["ft_points"]])
-    old = MetaData()
-    Table("ft_points", old, Column("id", Integer, primary_key=True))
-    Table("ft_running", old, Column("id", Integer, primary_key=True),
-          Column("point_id", ForeignKey("ft_points.id", ondelete="CASCADE"), index=True),
-          Column("trial_number", Integer), Column("host", String(255)), Column("pid", Integer),
-          Column("heartbeat_at", DateTime(timezone=True)),
-          Unique("point_id", "trial_number", name="uq_ft_running"))
-    old.create_all(engine, tables=[old.tables["ft_running"]])
-    engine.dispose()
+    create_old_table(db_url, "ft_running", Column("trial_number", Integer),
+                     Column("host", String(255)), Column("pid", Integer),
+                     Column("heartbeat_at", DateTime(timezone=True)),
+                     Unique("point_id", "trial_number", name="uq_ft_running"))
 
     store = Store(db_url)
     pid = store.point_id(key())
