@@ -4,6 +4,7 @@ are injected as contexts, each with its own worker — in-process fakes with det
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -394,6 +395,17 @@ class StopAfter:
         pass
 
 
+@contextlib.contextmanager
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt, as in a terminal, for the block: a process started in
+    the background by a shell without job control inherits SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["stop", "sigint"])
 def test_stopping_leaves_the_database_resumable(tmp_path: Path, how: str,
@@ -405,7 +417,7 @@ def test_stopping_leaves_the_database_resumable(tmp_path: Path, how: str,
                           SearchOptions(trials=trials, rounds=1), display)
     display.search = search  # type: ignore[assignment]
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
+    with ctrl_c_raises(), pytest.raises(KeyboardInterrupt):
         search.run()
     assert time.monotonic() - t0 < 120
     store = Store(url)

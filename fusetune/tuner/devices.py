@@ -21,12 +21,10 @@ and the same search run again resumes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,18 +167,24 @@ class DeviceSearch:
 
         Raises KeyboardInterrupt when stopped before the end (every finished trial is stored;
         run again to resume), DeviceFailedError when a device's thread failed."""
-        threads = [threading.Thread(target=self._serve, args=(ctx,), daemon=True,
-                                    name=f"fusetune-{ctx.device}") for ctx in self.contexts]
+        # The calling thread waits on events the devices' threads set when they end, never in
+        # Thread.join: a KeyboardInterrupt raised in join (Python 3.11) marks the thread it
+        # waited for as ended while it runs on, and its worker would be closed under it.
+        ended = [threading.Event() for _ in self.contexts]
+        threads = [threading.Thread(target=self._serve, args=(ctx, end), daemon=True,
+                                    name=f"fusetune-{ctx.device}")
+                   for ctx, end in zip(self.contexts, ended, strict=True)]
         try:
-            with self._stop_on_sigint():
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    while t.is_alive():
-                        t.join(JOIN_POLL_S)
+            for t in threads:
+                t.start()
+            for end in ended:
+                while not end.wait(JOIN_POLL_S):
+                    pass
         except KeyboardInterrupt:
             self._stop.set()
-            self._join(threads)
+            deadline = time.monotonic() + STOP_WAIT_S
+            for end in ended:
+                end.wait(max(0.0, deadline - time.monotonic()))
             raise
         finally:
             for ctx in self.contexts:
@@ -191,40 +195,9 @@ class DeviceSearch:
             raise KeyboardInterrupt("the device search was stopped")
         return [r for r in self._results if r is not None]
 
-    @contextlib.contextmanager
-    def _stop_on_sigint(self) -> Iterator[None]:
-        """While the devices run, Ctrl-C (SIGINT) sets the stop first, then raises
-        KeyboardInterrupt as Python's handler does. Python runs the handler in the main thread
-        wherever it is, also inside a finalizer that the garbage collector runs there, where
-        the KeyboardInterrupt is reported and dropped; the stop is not, and `run` raises
-        KeyboardInterrupt once the devices have stopped. Only where a Python handler is in
-        place (the main thread, SIGINT not ignored)."""
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGINT)
-        if not callable(previous):
-            yield
-            return
-        chained = previous
-
-        def on_sigint(signum: int, frame: object) -> None:
-            self._stop.set()
-            chained(signum, frame)
-
-        signal.signal(signal.SIGINT, on_sigint)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, chained)
-
-    @staticmethod
-    def _join(threads: Sequence[threading.Thread]) -> None:
-        deadline = time.monotonic() + STOP_WAIT_S
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-
-    def _serve(self, ctx: Context) -> None:
-        """One device's thread: takes jobs until none is left or the search stops."""
+    def _serve(self, ctx: Context, ended: threading.Event) -> None:
+        """One device's thread: takes jobs until none is left or the search stops; sets
+        `ended` when it returns."""
         stats = self.stats[ctx.device]
         try:
             while not self._stop.is_set():
@@ -261,3 +234,5 @@ class DeviceSearch:
             error.__cause__ = exc
             self._errors.append(error)
             self._stop.set()
+        finally:
+            ended.set()
