@@ -630,8 +630,8 @@ def show(db: str, gpu_name: str | None, kernel: str | None, point_id: int | None
     store = _store(db)
     winners = {p.id: w for p, w in store.winners(gpu=gpu, kernel=kernel)}
     t = Table(title=f"Points in {_shown(db)}")
-    for col in ("id", "gpu", "kernel", "dims", "b", "s", "dtype", "backend", "triton",
-                "results", "winner", "µs", "default µs", "speedup"):
+    for col in ("id", "gpu", "kernel", "dims", "b", "s", "dtype", "weights", "backend",
+                "triton", "results", "winner", "µs", "default µs", "speedup"):
         t.add_column(col)
     n = 0
     for p in store.points():
@@ -642,7 +642,7 @@ def show(db: str, gpu_name: str | None, kernel: str | None, point_id: int | None
         w = winners.get(p.id)
         speed = w.default_us / w.time_us if w and w.default_us else None
         t.add_row(str(p.id), p.gpu, p.kernel, p.dims, str(p.batch), str(p.seq), p.dtype,
-                  p.backend,
+                  p.weights or "-", p.backend,
                   p.triton_version, " ".join(f"{k}:{v}" for k, v in sorted(counts.items())),
                   _config_str(w.config if w else None), _fmt(w.time_us if w else None, ".2f"),
                   _fmt(w.default_us if w else None, ".2f"), _fmt(speed, ".2f"))
@@ -660,7 +660,9 @@ def _show_point(store: Any, point_id: int, top: int) -> None:
         raise click.ClickException(f"no point {point_id} in {store.url}; points: "
                                    f"{', '.join(ids) or 'none'} (see `fusetune show`)")
     counts = store.status_counts(p.id)
-    console.print(f"Point {p.id}: {p.kernel} {p.dims} b={p.batch} s={p.seq} {p.dtype} on {p.gpu} "
+    weights = f" weights {p.weights}" if p.weights else ""
+    console.print(f"Point {p.id}: {p.kernel} {p.dims} b={p.batch} s={p.seq} {p.dtype}{weights} "
+                  f"on {p.gpu} "
                   f"({p.backend}, Triton {p.triton_version}, torch {p.torch_version}); results: "
                   + " ".join(f"{k}:{v}" for k, v in sorted(counts.items())))
     t = Table(title=f"Fastest {top} correct configs")

@@ -40,6 +40,11 @@ def test_fp8_search_export_lookup(sqlite_url: str, tmp_path: Path, fresh_tables:
     assert point.weights == "fp8-e4m3"
     ok = [r for r in store.results(point.id).values() if r.status == "ok"]
     assert len(ok) >= 6
+    # `fusetune show` names the weight format, in the list and for the point.
+    shown = CliRunner().invoke(cli.main, ["show", "--db", sqlite_url])
+    assert shown.exit_code == 0 and "fp8-e4m3" in shown.output, shown.output
+    shown = CliRunner().invoke(cli.main, ["show", "--db", sqlite_url, "--point", str(point.id)])
+    assert shown.exit_code == 0 and "weights fp8-e4m3" in shown.output, shown.output
     out = tmp_path / "tables.yaml"
     exported = CliRunner().invoke(cli.main, ["export", str(out), "--db", sqlite_url])
     assert exported.exit_code == 0, exported.output
