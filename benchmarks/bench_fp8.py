@@ -232,7 +232,8 @@ def timing_case(kernel: str, m: int, fmt: str, dtype: torch.dtype, fp8_mma: bool
     import fusetune
     from benchmarks.timing import BW_TBS
     from fusetune.kernels import fp8, get_spec
-    from fusetune.kernels._spec import Point
+    from fusetune.kernels._spec import Point, check_fits
+    from fusetune.tables import gpu_for_device
 
     spec = get_spec(kernel)
     dims = dims or LLAMA_DIMS[kernel]
@@ -244,11 +245,18 @@ def timing_case(kernel: str, m: int, fmt: str, dtype: torch.dtype, fp8_mma: bool
     tuned = fusetune.lookup(kernel, dims, dtype_name, rows=m, weights=f"fp8-{fmt}",
                             device=layer.x.device)
 
-    def forced(act: int) -> dict[str, int]:
+    gpu = gpu_for_device(layer.x.device)
+
+    def forced(act: int) -> dict[str, int] | None:
+        """The tuned config with ACT_FP8 = act, or None where that does not fit this GPU
+        (FP8 tiles upcast in registers take more shared memory)."""
         c = dict(tuned, ACT_FP8=act)
         if act:
             c.update(PASSES=2, BLOCK_M=max(c["BLOCK_M"], 16))
-        return spec.canonical(c, point)
+        c = spec.canonical(c, point)
+        return c if check_fits(spec.resources(c, point), gpu) is None else None
+
+    act0, act1 = forced(0), forced(1) if fp8_mma else None
 
     # The FP8 kernel is checked once against the reference on the dequantized weights.
     deq = {n: fp8.dequantize(wq[n], sc[n]) for n in wq}
@@ -259,8 +267,8 @@ def timing_case(kernel: str, m: int, fmt: str, dtype: torch.dtype, fp8_mma: bool
     x2 = layer.x.reshape(-1, layer.x.shape[-1])
     fns = {
         "fp8": lambda: run_fused(layer, wq, sc, tuned),
-        "fp8_act0": lambda: run_fused(layer, wq, sc, forced(0)),
-        "fp8_act1": (lambda: run_fused(layer, wq, sc, forced(1))) if fp8_mma else None,
+        "fp8_act0": (lambda: run_fused(layer, wq, sc, act0)) if act0 else None,
+        "fp8_act1": (lambda: run_fused(layer, wq, sc, act1)) if act1 else None,
         "fp16": lambda: run_fused(layer, w16, {}, None),
         "scaled_mm": stacked_e4m3_gemm(layer, wq) if fp8_mma else None,
         "gemm_fp16": lambda: F.linear(x2, w16_stacked),
@@ -269,7 +277,7 @@ def timing_case(kernel: str, m: int, fmt: str, dtype: torch.dtype, fp8_mma: bool
     floor8 = spec.cost(point).bytes / (BW_TBS * 1e6)
     floor16 = spec.cost(Point.make(kernel, dims, 1, m, dtype_name)).bytes / (BW_TBS * 1e6)
     return {"kernel": kernel, "rows": m, "fmt": fmt, "fns": fns, "tuned_cfg": tuned,
-            "act1_cfg": forced(1) if fp8_mma else None, "rel_err": err,
+            "act1_cfg": act1, "rel_err": err,
             "floor_fp8_us": floor8, "floor_fp16_us": floor16}
 
 

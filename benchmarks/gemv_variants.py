@@ -9,12 +9,14 @@ to registers, evict-first) and variants of it:
   (unrolled: their loads in flight together; fusetune's UNROLL_K = 1 is U2);
 - `P`: register double-buffering (the next K-step's weights loaded before this one's
   products);
+- `T`: the weight tiles through a TMA descriptor, num_stages buffers in shared memory filled
+  by the copy engine ahead of the products;
 
 each for fp16 weights, e4m3 and e5m2 (through Triton's conversion: on sm_90 the hardware's,
 two bytes an instruction), over BLOCK_N x BLOCK_K x num_warps; the best four per variant, beside
 the read-only kernel of the same bytes (benchmarks/bench_read_bw.py).
 
-    python -m benchmarks.gemv_variants
+    python -m benchmarks.gemv_variants [VARIANT ...]   # e.g. T x1d (default: all)
 """
 
 from __future__ import annotations
@@ -104,6 +106,56 @@ def _gemv_prefetch(X, W, OUT, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: t
     tl.store(OUT + rn, tl.sum(acc, axis=0), mask=w_ok)
 
 
+@triton.jit
+def _gemv_tma(X, WD, OUT, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              W_FP8: tl.constexpr):
+    # Weight tiles [BLOCK_N, BLOCK_K] through a TMA descriptor WD over W [N, K]: the copy
+    # engine fills num_stages shared-memory buffers ahead of the products (boxes past W's
+    # edges arrive zero-filled), the tile then goes from shared memory to registers.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(X + k0 + rk, mask=rk < K - k0, other=0.0)
+        w = WD.load([tl.program_id(0) * BLOCK_N, k0])
+        acc += mma_weight(w, x, W_FP8).to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(OUT + rn, tl.sum(acc, axis=1), mask=rn < N)
+
+
+def best_tma_configs(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor
+                     ) -> list[tuple[float, str]]:
+    """best_configs for _gemv_tma: BLOCK_N x BLOCK_K boxes (at most 256 per side) x num_warps
+    x num_stages, as 'BLOCK_N,BLOCK_K,num_warps,num_stages'."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out = torch.empty(N, device="cuda", dtype=torch.float32)
+    res: list[tuple[float, str]] = []
+    for bn, bk, nw, st in itertools.product((8, 16, 32), (128, 256), (4, 8), (2, 3, 4)):
+        if not 4 <= bk * bn // (32 * nw) <= 64:
+            continue
+        wd = TensorDescriptor.from_tensor(w, [bn, bk])
+
+        def run(bn: int = bn, bk: int = bk, nw: int = nw, st: int = st,
+                wd: TensorDescriptor = wd) -> None:
+            _gemv_tma[(triton.cdiv(N, bn),)](x, wd, out, N, K, BLOCK_N=bn, BLOCK_K=bk,
+                                             W_FP8=0 if w.dtype == torch.float16 else 1,
+                                             num_warps=nw, num_stages=st)
+
+        name = f"{bn},{bk},{nw},{st}"
+        try:
+            run()
+            torch.cuda.synchronize()
+        except Exception as exc:  # a config the GPU cannot hold: reported, not timed
+            res.append((float("inf"), f"{name} {type(exc).__name__}"))
+            continue
+        err = float((out - ref).norm() / ref.norm())
+        if err > 1e-3:
+            res.append((float("inf"), f"{name} WRONG ({err:.1e})"))
+            continue
+        res.append((do_bench(run, warmup=10, rep=50, return_mode="median") * 1e3, name))
+    return sorted(res)
+
+
 VARIANTS = {
     "x1d": (_gemv_x1d, {}),
     "U1": (_gemv_unrolled, {"U": 1}),
@@ -157,8 +209,16 @@ def main() -> int:
                    for b, s, nw in itertools.product((2048, 4096), (4, 8), (4, 8)))
         print(f"read-only kernel, {mb} MB: {best:.1f} µs")
     t0 = time.time()
+    only = sys.argv[1:]  # variant names to run (default: all), "T" for _gemv_tma
+    for wname, w in weights.items():
+        if "T" in only or not only:
+            top = best_tma_configs(x, w, w.float() @ x.float())[:4]
+            print(f"{wname} T    " + "  ".join(f"{t:.1f} ({c})" for t, c in top)
+                  + f"  [{time.time() - t0:.0f} s]", flush=True)
     for (wname, w), (vname, (kernel, extra)) in itertools.product(weights.items(),
                                                                   VARIANTS.items()):
+        if only and vname not in only:
+            continue
         ref = w.float() @ x.float()
         top = best_configs(kernel, extra, x, w, ref)[:4]
         print(f"{wname} {vname:4s} " + "  ".join(f"{t:.1f} ({c})" for t, c in top)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Replays search strategies against the grids that benchmarks/run_gpu_grids.sh stored (no GPU
 # needed): `bash benchmarks/replay_grids.sh GRID_DB OUT_DIR [SEEDS] [BUDGET]` (GRID_SET=heldout:
-# the held-out pairs, GRID_SET=gemv: the GEMV grids of run_gpu_gemv.sh; STRATEGIES: which).
+# the held-out pairs, GRID_SET=gemv: the GEMV grids of run_gpu_gemv.sh, GRID_SET=qkv_tma and
+# fp8_tma: the grids of run_gpu_tma.sh's TMA_SET=qkv and fp8; STRATEGIES: which).
 # One report per pair, Markdown and JSON, in OUT_DIR.
 set -euo pipefail
 db=${1:?grid database file}
@@ -27,6 +28,18 @@ if [ "${GRID_SET:-main}" = gemv ]; then  # the GEMV sub-spaces (benchmarks/run_g
     --space $spaces/ffn_gemv.yaml
   replay qkv_gemv_e4m3 --kernel qkv --model llama-2-7b --batch 1 --seq 1 --weights fp8-e4m3 \
     --space $spaces/qkv_gemv.yaml
+  exit 0
+fi
+if [ "${GRID_SET:-main}" = qkv_tma ]; then  # run_gpu_tma.sh, TMA_SET=qkv
+  replay qkv_prefill_tma --kernel qkv --model llama-2-7b --batch 1 --seq 4096 \
+    --space $spaces/qkv_prefill_tma.yaml
+  exit 0
+fi
+if [ "${GRID_SET:-main}" = fp8_tma ]; then  # run_gpu_tma.sh, TMA_SET=fp8
+  replay ffn_prefill_fp8_tma --kernel ffn --model llama-2-7b --batch 1 --seq 4096 \
+    --weights fp8-e4m3 --space $spaces/ffn_prefill_fp8_tma.yaml
+  replay qkv_prefill_fp8_tma --kernel qkv --model llama-2-7b --batch 1 --seq 4096 \
+    --weights fp8-e4m3 --space $spaces/qkv_prefill_fp8_tma.yaml
   exit 0
 fi
 if [ "${GRID_SET:-main}" = heldout ]; then

@@ -4,11 +4,12 @@ the shared-memory model of a software-pipelined K loop."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._spec import (
@@ -293,22 +294,24 @@ def mma_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_x
 
 
 @triton.jit
-def tma_two_products(XD, WAD, WBD, m0, n0, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
+def tma_two_products(XD, WAD, WBD, m0, na0, nb0, K, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                     IEEE: tl.constexpr):
     """mma_two_products for operands that reach the tensor cores untouched (PASSES == 2,
-    weights in x's dtype), read through TMA descriptors: XD over X [M, K] with [BLOCK_M,
-    BLOCK_K] boxes, WAD and WBD over the weights [N, K] with [BLOCK_N, BLOCK_K] boxes. The
-    copy engine moves each tile into shared memory by itself (no address arithmetic or masks in
-    the loop; boxes past an edge of a matrix, including a partial last K-step, arrive
-    zero-filled), for the rows from m0 and the weight rows from n0 over this program's K-slice.
-    The weight tiles arrive as [BLOCK_N, BLOCK_K] and are multiplied transposed."""
+    weights in x's dtype, or FP8 beside FP8 activations), read through TMA descriptors: XD
+    over X [M, K] with [BLOCK_M, BLOCK_K] boxes, WAD and WBD over weight rows [N, K] with
+    [BLOCK_N, BLOCK_K] boxes. The copy engine moves each tile into shared memory by itself (no
+    address arithmetic or masks in the loop; boxes past an edge of a matrix, including a
+    partial last K-step, arrive zero-filled), for the rows from m0, the rows of WAD from na0
+    and those of WBD from nb0, over this program's K-slice. The weight tiles arrive as
+    [BLOCK_N, BLOCK_K] and are multiplied transposed."""
     k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = XD.load([m0, k0])
-        acc_a = dot(x, WAD.load([n0, k0]).T, acc_a, IEEE)
-        acc_b = dot(x, WBD.load([n0, k0]).T, acc_b, IEEE)
+        acc_a = dot(x, WAD.load([na0, k0]).T, acc_a, IEEE)
+        acc_b = dot(x, WBD.load([nb0, k0]).T, acc_b, IEEE)
     return acc_a, acc_b
 
 
@@ -401,7 +404,13 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
     # Elsewhere the weights are upcast (ACT_FP8 = 0), what every GPU can run.
     fp8_mma = bool(point.weights) and gpu.fp8_tensor_cores and c["PASSES"] == 2
     c["ACT_FP8"] = int(fp8_mma)
-    c["UNROLL_K"] = c["TMA"] = 0
+    c["UNROLL_K"] = 0
+    # Tiles through TMA descriptors for long products at many rows, 16-bit weights: on the
+    # H100 at 4096 rows and K = 4096 this tile took 1202 / 809 / 1123 µs with TMA against
+    # 1347 / 939 / 1290 by pointers (ffn, qkv, lola 4096 -> 16384); at 512 rows (ffn) and with
+    # K = 768 (lola) TMA was 59-65% slower, with FP8 by FP8 within ±5% (benchmarks/grid_spaces/
+    # *_tma.yaml grids, BENCHMARKS.md). Where the structure has no TMA loop, canonical drops it.
+    c["TMA"] = int(gpu.tma and m >= 2048 and k >= 2048 and not point.weights)
     if m == 1:
         # A GEMV streams the weights once: split K until there are about four programs per SM,
         # so that every SM keeps loads in flight to the end.
@@ -476,31 +485,57 @@ def check_tma(kernel: str, device: torch.device) -> None:
                          f"{device} has compute capability {major}.{minor}; use TMA=0")
 
 
-def use_tma(config: Config, act_fp8: bool, w_fp8: int, *tensors: torch.Tensor) -> bool:
+def use_tma(config: Config, w_fp8: int, *tensors: torch.Tensor) -> bool:
     """Whether a launch reads its tiles through TMA descriptors: the config asks for it (TMA),
     its structure has the TMA loop (what collapse_tma keeps: tensor-core tiles after a norm
-    pass, boxes of at most TMA_MAX_BOX, weights in x's dtype: no FP8 activations, W_FP8 0)
-    and the descriptors can cover these 2-D tensors (unit column stride, start and row stride
-    on 16-byte boundaries). Otherwise the same tiles are read by pointers."""
+    pass, boxes of at most TMA_MAX_BOX, weights as the MMA takes them: W_FP8 0, x's dtype or
+    FP8 beside FP8 activations) and the descriptors can cover these 2-D tensors (unit column
+    stride, start and row stride on 16-byte boundaries). Otherwise the same tiles are read by
+    pointers."""
     return (bool(config.get("TMA")) and config["BLOCK_M"] > 1 and config["PASSES"] == 2
-            and not act_fp8 and w_fp8 == 0
+            and w_fp8 == 0
             and max(config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) <= TMA_MAX_BOX
             and all(t.ndim == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
                     and t.stride(0) * t.element_size() % 16 == 0 for t in tensors))
 
 
+def tma_descriptors(kernel: str, config: Config, w_fp8: int, x: torch.Tensor,
+                    weights: Sequence[torch.Tensor]) -> list[TensorDescriptor] | None:
+    """Where the launch reads its tiles through TMA (use_tma; the device checked by
+    check_tma): descriptors over x with [BLOCK_M, BLOCK_K] boxes and over each of `weights`
+    with [BLOCK_N, BLOCK_K] boxes, in that order. None: the same tiles by pointers."""
+    if not use_tma(config, w_fp8, x, *weights):
+        return None
+    check_tma(kernel, x.device)
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    return [TensorDescriptor.from_tensor(x, [bm, bk]),
+            *(TensorDescriptor.from_tensor(w, [bn, bk]) for w in weights)]
+
+
 def collapse_tma(config: Config, point: Point, k: int, kernel_has_tma: bool = True) -> Config:
     """TMA = 1 only where the K loop can take it: a kernel with the TMA loop
     (`kernel_has_tma`), tensor-core tiles (BLOCK_M > 1) that reach the MMA untouched
-    (PASSES = 2, weights in x's dtype), boxes of at most TMA_MAX_BOX per side, and rows of k
+    (PASSES = 2; weights in x's dtype, or FP8 weights with ACT_FP8 = 1, which is final here:
+    fp8.collapse_act_fp8 comes first), boxes of at most TMA_MAX_BOX per side, and rows of k
     elements that start on 16-byte boundaries (what a descriptor needs)."""
     c = dict(config)
+    fp8_operands = bool(point.weights) and bool(c.get("ACT_FP8"))
+    elt = 1 if fp8_operands else DTYPE_BYTES[point.dtype]
     if c.get("TMA") and not (
-            kernel_has_tma and c["BLOCK_M"] > 1 and c["PASSES"] == 2 and not point.weights
+            kernel_has_tma and c["BLOCK_M"] > 1 and c["PASSES"] == 2
+            and (not point.weights or fp8_operands)
             and max(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) <= TMA_MAX_BOX
-            and k * DTYPE_BYTES[point.dtype] % 16 == 0):
+            and k * elt % 16 == 0):
         c["TMA"] = 0
     return c
+
+
+def tma_smem(config: Config, x_elt: int, w_elt: int, n_weights: int) -> int:
+    """Shared memory of the TMA loop (tma_two_products, tma_one_product): the copy engine
+    fills num_stages full sets of tiles (an x tile of x_elt-byte elements, `n_weights` weight
+    tiles of w_elt-byte ones), each set with its barrier."""
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    return config["num_stages"] * (bm * bk * x_elt + n_weights * bk * bn * w_elt) + 1024
 
 
 # BLOCK_M = 1 multiplies each weight once per row, in float32 on the CUDA cores: at 16 rows of

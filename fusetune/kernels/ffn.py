@@ -20,7 +20,6 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels import fp8
@@ -30,7 +29,6 @@ from fusetune.kernels._matmul import (
     MATMUL_POW2_KEYS,
     MATMUL_TOLERANCE,
     TWO_PRODUCT_SOURCES,
-    check_tma,
     collapse_tiles,
     collapse_tma,
     default_tiles,
@@ -39,10 +37,11 @@ from fusetune.kernels._matmul import (
     pipelined_smem,
     rms_scaled_products,
     store_two_partials,
+    tma_descriptors,
+    tma_smem,
     tma_two_products,
     two_partials_added,
     two_products,
-    use_tma,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
@@ -102,8 +101,9 @@ def _ffn_kernel(
         acc1, acc3, sumsq = two_partials_added(WS, WSQ, rm, rn, m_ok, mn_ok, M, N, BLOCK_M,
                                                BLOCK_N, SPLIT_K, PASSES)
     elif TMA:
-        acc1, acc3 = tma_two_products(X, W1, W3, pid_m * BLOCK_M, pid_n * BLOCK_N, K, BLOCK_M,
-                                      BLOCK_N, BLOCK_K, SPLIT_K, IEEE)
+        acc1, acc3 = tma_two_products(X, W1, W3, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                                      pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+                                      IEEE)
         sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)  # not read: PASSES == 2
     else:
         # Weight tiles read transposed as [BLOCK_K, BLOCK_N] (W[n, k]): rows rn of W1 and W3.
@@ -150,15 +150,11 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
     gemv = config["BLOCK_M"] == 1
     w1, w_fp8 = fp8.weight_operand(w1, act, gemv)
     w3, _ = fp8.weight_operand(w3, act, gemv)
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     # TMA: the K loop reads x, W1 and W3 through descriptors (boxes of one tile each), where
     # the config asks for it and these tensors allow it (else the same tiles by pointers).
-    tma = use_tma(config, act, w_fp8, x, w1, w3)
-    if tma:
-        check_tma("ffn", x.device)
-    xa, w1a, w3a = ((TensorDescriptor.from_tensor(x, [bm, bk]),
-                     TensorDescriptor.from_tensor(w1, [bn, bk]),
-                     TensorDescriptor.from_tensor(w3, [bn, bk])) if tma else (x, w1, w3))
+    descs = tma_descriptors("ffn", config, w_fp8, x, [w1, w3])
+    xa, w1a, w3a = descs or (x, w1, w3)
     split = config["SPLIT_K"]
     ws = wsq = out  # not read unless split > 1
     if split > 1:
@@ -170,10 +166,10 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
         _ffn_kernel[grid](
             xa, g, w1a, w3a, out, ws, wsq, sx, out if s1 is None else s1,
             out if s3 is None else s3, m, n, k, x.stride(0), w1.stride(0), out.stride(0),
-            eps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"],
+            eps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
             PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
             IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act,
-            W_SCALED=s1 is not None, UNROLL_K=config.get("UNROLL_K", 0), TMA=tma,
+            W_SCALED=s1 is not None, UNROLL_K=config.get("UNROLL_K", 0), TMA=descs is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -283,8 +279,8 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 
 def _canonical(config: Config, point: Point) -> Config:
     c = collapse_tiles(config, point.rows, point.dim["hidden"], point.dim["dim"])
-    c = collapse_tma(c, point, point.dim["dim"])
-    return fp8.collapse_act_fp8(c, point, point.dim["dim"])
+    c = fp8.collapse_act_fp8(c, point, point.dim["dim"])
+    return collapse_tma(c, point, point.dim["dim"])
 
 
 def _resources(config: Config, point: Point) -> Resources:
@@ -297,8 +293,8 @@ def _resources(config: Config, point: Point) -> Resources:
         return gemv_resources(config, point.rows, w_elt, n_weights=2)
     smem = pipelined_smem(config, elt, n_weights=2, epilogue=True, operands=operands)
     tma = bool(config.get("TMA"))
-    if tma:  # the copy engine fills num_stages full sets of tiles, each with its barrier
-        smem = max(smem, config["num_stages"] * (bm * bk + 2 * bk * bn) * elt + 1024)
+    if tma:
+        smem = max(smem, tma_smem(config, x_elt, w_elt, n_weights=2))
     # Two float32 accumulators plus the operand fragments of one K-step (FP8 weight tiles
     # upcast in registers: in x's type, as the MMA reads them).
     w_bytes = elt if converted else w_elt

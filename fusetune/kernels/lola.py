@@ -23,7 +23,6 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels import fp8
@@ -32,7 +31,6 @@ from fusetune.kernels._matmul import (
     MATMUL_FLAGS,
     MATMUL_POW2_KEYS,
     MATMUL_TOLERANCE,
-    check_tma,
     collapse_tiles,
     collapse_tma,
     default_tiles,
@@ -46,8 +44,9 @@ from fusetune.kernels._matmul import (
     pipelined_smem,
     row_norm_stats,
     scale_product,
+    tma_descriptors,
     tma_one_product,
-    use_tma,
+    tma_smem,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
@@ -222,14 +221,11 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
     elif config["PASSES"] == 2:
         x = layernorm_rows(x, eps)
     w, w_fp8 = fp8.weight_operand(w, act, config["BLOCK_M"] == 1)
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     # TMA: the K loop reads x and W through descriptors, where the config asks for it and the
     # tensors allow it (else the same tiles by pointers).
-    tma = use_tma(config, act, w_fp8, x, w)
-    if tma:
-        check_tma("lola", x.device)
-    xa, wa = ((TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]))
-              if tma else (x, w))
+    descs = tma_descriptors("lola", config, w_fp8, x, [w])
+    xa, wa = descs or (x, w)
     split = config["SPLIT_K"]
     ws = wst = out  # not read unless split > 1
     if split > 1:
@@ -241,10 +237,10 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
         _lola_kernel[grid](
             xa, wa, b, out, ws, wst, sx, out if sw is None else sw, m, n, k, x.stride(0),
             w.stride(0), out.stride(0), eps,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config["GROUP_M"],
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
             PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
             IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act, W_SCALED=sw is not None,
-            UNROLL_K=config.get("UNROLL_K", 0), TMA=tma,
+            UNROLL_K=config.get("UNROLL_K", 0), TMA=descs is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -343,8 +339,8 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 
 def _canonical(config: Config, point: Point) -> Config:
     c = collapse_tiles(config, point.rows, point.dim["out"], point.dim["dim"])
-    c = collapse_tma(c, point, point.dim["dim"])
-    return fp8.collapse_act_fp8(c, point, point.dim["dim"])
+    c = fp8.collapse_act_fp8(c, point, point.dim["dim"])
+    return collapse_tma(c, point, point.dim["dim"])
 
 
 def _resources(config: Config, point: Point) -> Resources:
@@ -357,8 +353,8 @@ def _resources(config: Config, point: Point) -> Resources:
         return gemv_resources(config, point.rows, w_elt, n_weights=3 - config["PASSES"])
     smem = pipelined_smem(config, elt, n_weights=1, epilogue=False, operands=operands)
     tma = bool(config.get("TMA"))
-    if tma:  # the copy engine fills num_stages full sets of tiles, each with its barrier
-        smem = max(smem, config["num_stages"] * (bm * bk + bk * bn) * elt + 1024)
+    if tma:
+        smem = max(smem, tma_smem(config, x_elt, w_elt, n_weights=1))
     w_bytes = elt if converted else w_elt  # FP8 weights upcast: the MMA reads x's type
     regs = (bm * bn + (bm * bk * x_elt + bk * bn * w_bytes) // 4 + bk * bn) // threads + 40
     return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads,

@@ -14,7 +14,7 @@ rstd per row in the epilogue). V goes through the same code with a zero angle. T
 in x's dtype or in FP8 with per-output-channel scales (fp8.py), applied before RoPE.
 
 Tunables (search_spaces/qkv.yaml): BLOCK_M, BLOCK_N (pairs per program), BLOCK_K, GROUP_M,
-PASSES, SPLIT_K, ACT_FP8, UNROLL_K, num_warps, num_stages.
+PASSES, SPLIT_K, ACT_FP8, UNROLL_K, TMA, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ from fusetune.kernels._matmul import (
     pipelined_smem,
     rms_scaled_products,
     store_two_partials,
+    tma_descriptors,
+    tma_smem,
+    tma_two_products,
     two_partials_added,
     two_products,
 )
@@ -66,8 +69,13 @@ from fusetune.models import ModelPreset
 @triton.jit
 def _qkv_kernel(
     X,  # *[M, K] activations (M = batch·seq tokens; FP8 with ACT_FP8), row stride stride_xm
+    # (with TMA a descriptor over the same tensor)
     G,  # *[K] RMSNorm weight
     WQ, WK, WV,  # *[Nq, K], *[Nkv, K], *[Nkv, K] weights (nn.Linear layout, unit column stride)
+    # With TMA: descriptors over the rows of each pair's column a and of its column b, for
+    # WQ, WK and WV (INTERLEAVED: the even rows W[0::2] and the odd rows W[1::2]; otherwise
+    # W itself twice). Not read without TMA.
+    QA, QB, KA, KB, VA, VB,
     OQ, OK, OV,  # *[M, Nq], *[M, Nkv], *[M, Nkv] outputs, contiguous
     WS,  # *[2·SPLIT_K, M, NQ_PAIRS + 2·NKV_PAIRS] float32 partial products (split-K only)
     WSQ,  # *[SPLIT_K, M] float32 partial sums of x² (split-K with PASSES == 1 only)
@@ -93,6 +101,7 @@ def _qkv_kernel(
     ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
     W_SCALED: tl.constexpr,  # the weights have per-output-channel scales SQ, SK, SV
     UNROLL_K: tl.constexpr,  # BLOCK_M == 1: two K-steps per loop iteration (gemv_two_products)
+    TMA: tl.constexpr,  # X and the weight rows are read through descriptors (tma_two_products)
 ):
     # Column-blocks of the three matrices side by side: [Q blocks | K blocks | V blocks].
     nb_q = tl.cdiv(NQ_PAIRS, BLOCK_N)
@@ -133,6 +142,34 @@ def _qkv_kernel(
     if FINISH:
         acc_a, acc_b, sumsq = two_partials_added(WS, WSQ, rm, first + p, m_ok, mp_ok, M,
                                                  all_pairs, BLOCK_M, BLOCK_N, SPLIT_K, PASSES)
+    elif TMA:
+        # The tile's pairs p0 .. p0 + BLOCK_N - 1 as rows of the descriptors: row p of the even
+        # and odd rows when interleaved; otherwise the pairs lie in one head (the launcher
+        # checks HALF % BLOCK_N == 0), their columns a are the contiguous rows from
+        # head·2·HALF + i0 of W, their columns b HALF rows further on.
+        p0 = blk * BLOCK_N
+        m0 = pid_m * BLOCK_M
+        if INTERLEAVED:
+            ra = p0
+            rb = p0
+        else:
+            ra = (p0 // HALF) * (2 * HALF) + p0 % HALF
+            rb = ra + HALF
+        # The matrix's descriptors are picked first and one loop reads through them: a loop
+        # per matrix would have its own pipeline buffers in shared memory (three times the
+        # tiles).
+        if pid_n < nb_q:
+            DA = QA
+            DB = QB
+        elif pid_n < nb_q + nb_kv:
+            DA = KA
+            DB = KB
+        else:
+            DA = VA
+            DB = VB
+        acc_a, acc_b = tma_two_products(X, DA, DB, m0, ra, rb, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                        SPLIT_K, IEEE)
+        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)  # not read: PASSES == 2
     else:
         # Weight rows col_a and col_b, read transposed as [BLOCK_K, BLOCK_N] tiles.
         acc_a, acc_b, sumsq = two_products(X, G, W, col_a[None, :].to(tl.int64) * stride_w,
@@ -199,6 +236,15 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     wv, _ = fp8.weight_operand(wv, act, gemv)
     sq, sk, sv = scales if scales is not None else (oq, oq, oq)
     half = head_dim // 2
+    bn = config["BLOCK_N"]
+    # TMA: x and the rows of each pair's two columns through descriptors (see the kernel),
+    # where the config asks for it and the tensors allow it; half-split pairs only where a
+    # tile's pairs lie in one head. Else the same tiles by pointers.
+    rows = [r for w in (wq, wk, wv)
+            for r in ((w[0::2], w[1::2]) if interleaved else (w, w))]
+    descs = (tma_descriptors("qkv", config, w_fp8, x, rows)
+             if interleaved or half % bn == 0 else None)
+    xa, *row_descs = descs or (x, *(wq, wq, wk, wk, wv, wv))
     nq_pairs, nkv_pairs = wq.shape[0] // 2, wk.shape[0] // 2
     split = config["SPLIT_K"]
     ws = wsq = oq  # not read unless split > 1
@@ -206,13 +252,13 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
         ws = torch.empty((2 * split, m, nq_pairs + 2 * nkv_pairs), dtype=torch.float32,
                          device=x.device)
         wsq = torch.empty((split, m), dtype=torch.float32, device=x.device)
-    bn = config["BLOCK_N"]
     n_blocks = triton.cdiv(nq_pairs, bn) + 2 * triton.cdiv(nkv_pairs, bn)
     tiles = triton.cdiv(m, config["BLOCK_M"]) * n_blocks
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _qkv_kernel[grid](
-            x, g, wq, wk, wv, oq, ok, ov, ws, wsq, sx, sq, sk, sv, m, k, seq, nq_pairs,
+            xa, g, wq, wk, wv, *row_descs, oq, ok, ov, ws, wsq, sx, sq, sk, sv, m, k, seq,
+            nq_pairs,
             nkv_pairs, half,
             x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), start_pos,
             -math.log2(theta) / half, eps,
@@ -220,7 +266,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
             GROUP_M=config["GROUP_M"], INTERLEAVED=interleaved, PASSES=config["PASSES"],
             SPLIT_K=split, FINISH=finish, IEEE=x.dtype == torch.float32, W_FP8=w_fp8,
             ACT_FP8=act, W_SCALED=scales is not None, UNROLL_K=config.get("UNROLL_K", 0),
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            TMA=descs is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
     launch((tiles, split), False)
@@ -253,7 +299,7 @@ def qkv(
     wq, wk and wv are in x's dtype, or all three FP8 (torch.float8_e4m3fn or float8_e5m2, e.g.
     from fusetune.quantize_fp8) with optional float32 scales per output channel `wq_scale`
     [Nq], `wk_scale`, `wv_scale` [Nkv] (None: 1). The config (BLOCK_M, BLOCK_N, BLOCK_K,
-    GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, num_warps, num_stages) comes from the lookup
+    GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, TMA, num_warps, num_stages) comes from the lookup
     tables (for this weight format) unless `config` is given.
     """
     if x.ndim != 3:
@@ -396,8 +442,10 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 
 def _canonical(config: Config, point: Point) -> Config:
     c = collapse_tiles(config, point.rows, _pairs(point), point.dim["dim"])
-    c = collapse_tma(c, point, point.dim["dim"], kernel_has_tma=False)  # no TMA loop here
-    return fp8.collapse_act_fp8(c, point, point.dim["dim"])
+    c = fp8.collapse_act_fp8(c, point, point.dim["dim"])
+    # Half-split pairs: the TMA loop reads a tile's pairs from one head (see the kernel).
+    in_one_head = point.dim["interleaved"] or point.dim["head_dim"] // 2 % c["BLOCK_N"] == 0
+    return collapse_tma(c, point, point.dim["dim"], kernel_has_tma=bool(in_one_head))
 
 
 def _resources(config: Config, point: Point) -> Resources:
@@ -409,10 +457,13 @@ def _resources(config: Config, point: Point) -> Resources:
     if bm == 1:
         return gemv_resources(config, point.rows, w_elt, n_weights=2)
     smem = pipelined_smem(config, elt, n_weights=2, epilogue=True, operands=operands)
+    tma = bool(config.get("TMA"))
+    if tma:
+        smem = max(smem, tma_smem(config, x_elt, w_elt, n_weights=2))
     w_bytes = elt if converted else w_elt  # FP8 weights upcast: the MMA reads x's type
     regs = (2 * bm * bn + (bm * bk * x_elt + 2 * bk * bn * w_bytes) // 4) // threads + 48
     return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads,
-                     fp8_mma=fp8.act_fp8(config, point.weights))
+                     fp8_mma=fp8.act_fp8(config, point.weights), tma=tma)
 
 
 def _cost(point: Point) -> Cost:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from launched import compiled_kernels, descriptors_made
 
 import fusetune
 from fusetune import gpus
@@ -143,10 +144,10 @@ class Case:
     """One kernel's inputs with FP8 weights, its call, and its float64 reference."""
 
     def __init__(self, kernel: str, fmt: str, scaled: bool, dtype: torch.dtype = torch.float16,
-                 seed: int = 0) -> None:
+                 seed: int = 0, d: int = 100) -> None:
         self.kernel, self.dtype = kernel, dtype
         gen = torch.Generator().manual_seed(seed)
-        d = 100  # not a power of two: partial K-steps
+        # d = 100, not a power of two: partial K-steps
         if kernel == "qkv":
             self.shape = (1, 37, d)  # 37 tokens; 4 query heads, 2 kv heads (GQA) of 8
             outs = {"wq": 32, "wk": 16, "wv": 16}
@@ -254,6 +255,22 @@ def test_fp8_weights_one_row_per_program(kernel: str, unroll: int, fmt: str) -> 
                                           "UNROLL_K": unroll}, False)
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("kernel", ["ffn", "qkv", "lola"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_fp8_products_through_tma(kernel: str, fmt: str, split: int,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # ACT_FP8 = 1 with TMA: the e4m3 rows and the FP8 weights reach the tensor cores through
+    # descriptors (K = 112: 16-byte rows, a partial last K-step; 37 rows: a partial row tile).
+    made = descriptors_made(monkeypatch)
+    Case(kernel, fmt, scaled=True, d=112).check({**cfg(16, 2, split, 1), "TMA": 1}, True)
+    assert [t.dtype for t in made][:1] == [torch.float8_e4m3fn]
+    assert len(made) == {"ffn": 3, "qkv": 7, "lola": 2}[kernel]
+    made.clear()  # FP8 weights upcast in registers (ACT_FP8 = 0): pointers
+    Case(kernel, fmt, scaled=True, d=112).check({**cfg(16, 2, split, 0), "TMA": 1}, False)
+    assert made == []
+
+
 def test_e4m3_operand_by_structure(monkeypatch: pytest.MonkeyPatch) -> None:
     # On a GPU with the e4m3 type the GEMV loop (BLOCK_M = 1) uses Triton's conversion, the
     # tensor-core loop the bytes; e5m2 is always bytes; FP8 activations take FP8 as it is.
@@ -357,6 +374,9 @@ def test_canonical_collapses_act_fp8(kernel: str) -> None:
     assert spec.canonical(BIG, fp8_point)["ACT_FP8"] == 1
     assert spec.canonical({**BIG, "PASSES": 1}, fp8_point)["ACT_FP8"] == 0
     assert spec.canonical({**BIG, "BLOCK_M": 1}, fp8_point)["ACT_FP8"] == 0
+    # TMA: for FP8 weights only beside FP8 activations (no conversion in registers).
+    assert spec.canonical({**BIG, "TMA": 1}, fp8_point)["TMA"] == 1
+    assert spec.canonical({**BIG, "TMA": 1, "ACT_FP8": 0}, fp8_point)["TMA"] == 0
     # Tiny K: the FP8 product needs BLOCK_K >= 32.
     tiny = spec_point(kernel, 64, "fp8-e5m2", llama=False)
     tiny = Point(tiny.kernel, tuple((k, 16 if k == "dim" else v) for k, v in tiny.dims),
@@ -600,24 +620,14 @@ def test_gpu_smem_model_covers_fp8_compiles(kernel: str, monkeypatch: pytest.Mon
     # prediction: never less (or configs that cannot run would be compiled), not far more.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the shared-memory model is calibrated on sm_90")
-    from triton.runtime.jit import JITFunction
-
     main = {"ffn": "_ffn_kernel", "qkv": "_qkv_kernel", "lola": "_lola_kernel"}[kernel]
-    compiled: list[Any] = []
-    real_run = JITFunction.run
-
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        kern = real_run(self, *args, **kwargs)
-        if self.fn.__name__ == main:
-            compiled.append(kern)
-        return kern
-
-    monkeypatch.setattr(JITFunction, "run", run)
+    compiled = compiled_kernels(monkeypatch, main)
     spec = SPECS[kernel]
     case = llama_case(kernel, "e4m3", 256, torch.float16)
     p = spec_point(kernel, 256, "fp8-e4m3")
     report = []
     for c in ({**BIG, "ACT_FP8": 0}, BIG, {**BIG, "BLOCK_N": 64, "BLOCK_K": 128},
+              {**BIG, "TMA": 1}, {**BIG, "BLOCK_K": 128, "TMA": 1, "num_stages": 4},
               {**BIG, "BLOCK_K": 128, "ACT_FP8": 0, "num_stages": 2},
               GPU_CONFIGS["decode-split"]):
         c = spec.canonical(c, p)

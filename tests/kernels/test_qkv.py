@@ -8,6 +8,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from launched import compiled_kernels, descriptors_made
 
 import fusetune
 from fusetune import gpus
@@ -120,6 +121,56 @@ def test_configs(config: dict[str, int]) -> None:
     check(make(2, 35, 96, 6, 2, 12, torch.float16), 12, start_pos=1, config=config)
 
 
+TMA = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 1,
+       "TMA": 1, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("split", [1, 2])
+def test_tma_descriptors(interleaved: bool, dtype: torch.dtype, split: int,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # x and, per matrix, the rows of the pairs' columns a and b through descriptors: the even
+    # and odd rows (interleaved), or W itself read from two row offsets (half-split, 16-pair
+    # tiles within 16-pair heads). 70 tokens leave a partial row tile; K = 96 is three whole
+    # K-steps, K = 3000 ends with a partial one.
+    made = descriptors_made(monkeypatch)
+    for d in (96, 3000):
+        made.clear()
+        check(make(2, 35, d, 6, 2, 32, dtype), 32, start_pos=3, interleaved=interleaved,
+              config={**TMA, "SPLIT_K": split})
+        assert len(made) == 7
+        n_rows = [t.shape[0] for t in made[1:]]
+        assert n_rows == ([96, 96, 32, 32, 32, 32] if interleaved else
+                          [192, 192, 64, 64, 64, 64])
+
+
+def test_tma_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = descriptors_made(monkeypatch)
+    # Half-split tiles of 32 pairs span two heads of 16: pointers, right results.
+    check(make(2, 35, 96, 6, 2, 32, torch.float16), 32, interleaved=False,
+          config={**TMA, "BLOCK_N": 32})
+    # Rows of 100 float16 (200 bytes) do not start on 16-byte boundaries; TMA with the norm
+    # folded in: pointers.
+    check(make(1, 20, 100, 6, 2, 32, torch.float16), 32, config=TMA)
+    check(make(1, 20, 96, 6, 2, 32, torch.float16), 32, config={**TMA, "PASSES": 1})
+    assert made == []
+    # The canonical config says so too; where it keeps TMA, GPUs before Hopper prune it.
+    tile = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2,
+            "SPLIT_K": 1, "TMA": 1, "num_warps": 8, "num_stages": 3}
+    p = llama_point(4096)
+    half = Point.make("qkv", {**p.dim, "interleaved": 0}, 1, 4096, "float16")
+    assert SPEC.canonical(tile, p)["TMA"] == 1
+    assert SPEC.canonical(tile, half)["TMA"] == 1  # 64 pairs: one head of 128
+    assert SPEC.canonical({**tile, "BLOCK_N": 128}, half)["TMA"] == 0
+    assert SPEC.canonical({**tile, "BLOCK_N": 128}, p)["TMA"] == 1
+    assert SPEC.canonical({**tile, "PASSES": 1}, p)["TMA"] == 0
+    res = SPEC.resources(SPEC.canonical(tile, p), p)
+    assert res.tma and check_fits(res, gpus.resolve("h100")) is None
+    why = check_fits(res, gpus.resolve("a100"))
+    assert why is not None and why.startswith("tma: TMA=1 needs TMA descriptors"), why
+
+
 def test_bad_inputs() -> None:
     x, g, wq, wk, wv = make(1, 2, 64, 4, 2, 8, torch.float16)
     with pytest.raises(ValueError, match=r"batch, seq, dim"):
@@ -171,6 +222,28 @@ def test_spec() -> None:
 @pytest.mark.parametrize("rows", [1, 300])
 def test_gpu_llama_dims(dtype: torch.dtype, interleaved: bool, rows: int) -> None:
     check(make(1, rows, 4096, 32, 8, 128, dtype), 128, start_pos=4000, interleaved=interleaved)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "split"), [(300, 1), (37, 2)])
+def test_gpu_tma_descriptors(dtype: torch.dtype, interleaved: bool, rows: int, split: int,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    made = descriptors_made(monkeypatch)
+    compiled = compiled_kernels(monkeypatch, "_qkv_kernel")
+    p = Point.make("qkv", {"dim": 4096, "head_dim": 128, "interleaved": int(interleaved),
+                           "n_heads": 32, "n_kv_heads": 8}, 1, rows, "float16")
+    c = SPEC.canonical({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8,
+                        "PASSES": 2, "SPLIT_K": split, "TMA": 1, "num_warps": 8,
+                        "num_stages": 3}, p)
+    check(make(1, rows, 4096, 32, 8, 128, dtype), 128, start_pos=4000, interleaved=interleaved,
+          config=c)
+    assert len(made) == 7
+    # The shared memory the compiler allocated: never more than the model predicts.
+    actual = max(k.metadata.shared for k in compiled)
+    predicted = SPEC.resources(c, p).smem_bytes
+    assert actual <= predicted <= 1.5 * actual, (actual, predicted)
 
 
 @triton.jit
