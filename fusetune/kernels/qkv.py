@@ -156,8 +156,7 @@ def _qkv_kernel(
             ra = (p0 // HALF) * (2 * HALF) + p0 % HALF
             rb = ra + HALF
         # The matrix's descriptors are picked first and one loop reads through them: a loop
-        # per matrix would have its own pipeline buffers in shared memory (three times the
-        # tiles).
+        # per matrix has pipeline buffers of its own (twice the shared memory, measured).
         if pid_n < nb_q:
             DA = QA
             DB = QB
@@ -258,8 +257,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _qkv_kernel[grid](
             xa, g, wq, wk, wv, *row_descs, oq, ok, ov, ws, wsq, sx, sq, sk, sv, m, k, seq,
-            nq_pairs,
-            nkv_pairs, half,
+            nq_pairs, nkv_pairs, half,
             x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), start_pos,
             -math.log2(theta) / half, eps,
             BLOCK_M=config["BLOCK_M"], BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
