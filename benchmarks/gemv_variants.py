@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import triton
@@ -148,12 +149,19 @@ def best_tma_configs(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor
         except Exception as exc:  # a config the GPU cannot hold: reported, not timed
             res.append((float("inf"), f"{name} {type(exc).__name__}"))
             continue
-        err = float((out - ref).norm() / ref.norm())
-        if err > 1e-3:
-            res.append((float("inf"), f"{name} WRONG ({err:.1e})"))
-            continue
-        res.append((do_bench(run, warmup=10, rep=50, return_mode="median") * 1e3, name))
+        res.append(checked_time(run, out, ref, name))
     return sorted(res)
+
+
+def checked_time(run: Callable[[], None], out: torch.Tensor, ref: torch.Tensor, name: str
+                 ) -> tuple[float, str]:
+    """(median µs, name) of `run`, which has been launched once to write `out`; (inf, 'name
+    WRONG') where `out` is not `ref`."""
+    torch.cuda.synchronize()
+    err = float((out - ref).norm() / ref.norm())
+    if err > 1e-3:
+        return float("inf"), f"{name} WRONG ({err:.1e})"
+    return do_bench(run, warmup=10, rep=50, return_mode="median") * 1e3, name
 
 
 VARIANTS = {
@@ -182,13 +190,7 @@ def best_configs(kernel: triton.JITFunction, extra: dict[str, int], x: torch.Ten
                                           num_warps=nw, num_stages=1, **extra)
 
         run()
-        torch.cuda.synchronize()
-        err = float((out - ref).norm() / ref.norm())
-        name = f"{bn},{bk},{nw}"
-        if err > 1e-3:
-            res.append((float("inf"), f"{name} WRONG ({err:.1e})"))
-            continue
-        res.append((do_bench(run, warmup=10, rep=50, return_mode="median") * 1e3, name))
+        res.append(checked_time(run, out, ref, f"{bn},{bk},{nw}"))
     return sorted(res)
 
 

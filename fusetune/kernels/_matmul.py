@@ -485,6 +485,13 @@ def check_tma(kernel: str, device: torch.device) -> None:
                          f"{device} has compute capability {major}.{minor}; use TMA=0")
 
 
+def tma_structure(config: Config) -> bool:
+    """Whether the config's structure has the TMA loop: tensor-core tiles (BLOCK_M > 1) after a
+    norm pass (PASSES = 2), boxes of at most TMA_MAX_BOX per side."""
+    return (config["BLOCK_M"] > 1 and config["PASSES"] == 2
+            and max(config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) <= TMA_MAX_BOX)
+
+
 def use_tma(config: Config, w_fp8: int, *tensors: torch.Tensor) -> bool:
     """Whether a launch reads its tiles through TMA descriptors: the config asks for it (TMA),
     its structure has the TMA loop (what collapse_tma keeps: tensor-core tiles after a norm
@@ -492,9 +499,7 @@ def use_tma(config: Config, w_fp8: int, *tensors: torch.Tensor) -> bool:
     FP8 beside FP8 activations) and the descriptors can cover these 2-D tensors (unit column
     stride, start and row stride on 16-byte boundaries). Otherwise the same tiles are read by
     pointers."""
-    return (bool(config.get("TMA")) and config["BLOCK_M"] > 1 and config["PASSES"] == 2
-            and w_fp8 == 0
-            and max(config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) <= TMA_MAX_BOX
+    return (bool(config.get("TMA")) and tma_structure(config) and w_fp8 == 0
             and all(t.ndim == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
                     and t.stride(0) * t.element_size() % 16 == 0 for t in tensors))
 
@@ -522,9 +527,7 @@ def collapse_tma(config: Config, point: Point, k: int, kernel_has_tma: bool = Tr
     fp8_operands = bool(point.weights) and bool(c.get("ACT_FP8"))
     elt = 1 if fp8_operands else DTYPE_BYTES[point.dtype]
     if c.get("TMA") and not (
-            kernel_has_tma and c["BLOCK_M"] > 1 and c["PASSES"] == 2
-            and (not point.weights or fp8_operands)
-            and max(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) <= TMA_MAX_BOX
+            kernel_has_tma and tma_structure(c) and (not point.weights or fp8_operands)
             and k * elt % 16 == 0):
         c["TMA"] = 0
     return c

@@ -206,6 +206,12 @@ def _qkv_kernel(
             tl.store(o_row + col_b[None, :], yb.to(Y.dtype.element_ty), mask=mp_ok)
 
 
+def tma_pairs(interleaved: bool, head_dim: int, block_n: int) -> bool:
+    """Whether the TMA loop can read tiles of `block_n` pairs: interleaved pairs always (even
+    and odd rows); half-split pairs where a tile's pairs lie in one head (see the kernel)."""
+    return interleaved or (head_dim // 2) % block_n == 0
+
+
 def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
                wv: torch.Tensor, oq: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor, seq: int,
                head_dim: int, start_pos: int, theta: float, eps: float, interleaved: bool,
@@ -242,7 +248,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     rows = [r for w in (wq, wk, wv)
             for r in ((w[0::2], w[1::2]) if interleaved else (w, w))]
     descs = (tma_descriptors("qkv", config, w_fp8, x, rows)
-             if interleaved or half % bn == 0 else None)
+             if tma_pairs(interleaved, head_dim, bn) else None)
     xa, *row_descs = descs or (x, *(wq, wq, wk, wk, wv, wv))
     nq_pairs, nkv_pairs = wq.shape[0] // 2, wk.shape[0] // 2
     split = config["SPLIT_K"]
@@ -441,9 +447,8 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 def _canonical(config: Config, point: Point) -> Config:
     c = collapse_tiles(config, point.rows, _pairs(point), point.dim["dim"])
     c = fp8.collapse_act_fp8(c, point, point.dim["dim"])
-    # Half-split pairs: the TMA loop reads a tile's pairs from one head (see the kernel).
-    in_one_head = point.dim["interleaved"] or point.dim["head_dim"] // 2 % c["BLOCK_N"] == 0
-    return collapse_tma(c, point, point.dim["dim"], kernel_has_tma=bool(in_one_head))
+    has_tma = tma_pairs(bool(point.dim["interleaved"]), point.dim["head_dim"], c["BLOCK_N"])
+    return collapse_tma(c, point, point.dim["dim"], kernel_has_tma=has_tma)
 
 
 def _resources(config: Config, point: Point) -> Resources:
