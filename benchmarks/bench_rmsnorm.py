@@ -30,7 +30,7 @@ def eager_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.
     return w * h.to(x.dtype)
 
 
-def _liger() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+def liger_rmsnorm() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     except Exception:
@@ -65,8 +65,8 @@ def make_case(m: int, d: int, dtype_name: str, gpu: object, compiled: Callable[.
         "liger": (lambda: liger(x, w)) if liger else None,
         "copy": lambda: y.copy_(x),
     }
-    return {"m": m, "d": d, "dtype": dtype_name, "fns": fns, "tuned_cfg": tuned_cfg,
-            "default_cfg": default_cfg, "rel_err": err,
+    return {"m": m, "d": d, "dtype": dtype_name, "fns": fns, "x": x, "w": w, "y": y,
+            "tuned_cfg": tuned_cfg, "default_cfg": default_cfg, "rel_err": err,
             "bytes": 2 * m * d * x.element_size() + d * w.element_size(),
             "copy_bytes": 2 * m * d * x.element_size()}
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = start(args)
     if gpu is None:
         return 2
-    liger = _liger()
+    liger = liger_rmsnorm()
     compiled = torch.compile(eager_rmsnorm)
     d = args.dim
     head = heading(gpu, f"D={d}; (TB/s) beside each time", graphs=not args.no_graph)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Replays search strategies against the grids that benchmarks/run_gpu_grids.sh stored (no GPU
 # needed): `bash benchmarks/replay_grids.sh GRID_DB OUT_DIR [SEEDS] [BUDGET]` (GRID_SET=heldout:
-# the held-out pairs, GRID_SET=gemv: the GEMV grids of run_gpu_gemv.sh, GRID_SET=qkv_tma and
+# the held-out pairs, GRID_SET=gemv: the GEMV grids of run_gpu_gemv.sh, GRID_SET=gemv_wide: those
+# of GEMV_SPACE=gemv_wide bash benchmarks/run_gpu_gemv.sh, GRID_SET=qkv_tma and
 # fp8_tma: the grids of run_gpu_tma.sh's TMA_SET=qkv and fp8; STRATEGIES: which).
 # One report per pair, Markdown and JSON, in OUT_DIR.
 set -euo pipefail
@@ -19,15 +20,17 @@ replay() {
     --strategies "${STRATEGIES:-random,tpe,gp,fusetune,fusetune-cold}" \
     --markdown "$out/$name.md" --json "$out/$name.json" "$@" 2>&1 | tail -14
 }
-if [ "${GRID_SET:-main}" = gemv ]; then  # the GEMV sub-spaces (benchmarks/run_gpu_gemv.sh)
-  replay ffn_gemv --kernel ffn --model llama-2-7b --batch 1 --seq 1 --space $spaces/ffn_gemv.yaml
-  replay qkv_gemv --kernel qkv --model llama-2-7b --batch 1 --seq 1 --space $spaces/qkv_gemv.yaml
-  replay lola_gemv --kernel lola --dims dim=4096,out=16384 --batch 1 --seq 1 \
-    --space $spaces/lola_gemv.yaml
-  replay ffn_gemv_e4m3 --kernel ffn --model llama-2-7b --batch 1 --seq 1 --weights fp8-e4m3 \
-    --space $spaces/ffn_gemv.yaml
-  replay qkv_gemv_e4m3 --kernel qkv --model llama-2-7b --batch 1 --seq 1 --weights fp8-e4m3 \
-    --space $spaces/qkv_gemv.yaml
+if [ "${GRID_SET:-main}" = gemv ] || [ "${GRID_SET:-main}" = gemv_wide ]; then
+  # the GEMV sub-spaces (benchmarks/run_gpu_gemv.sh; GEMV_SPACE=gemv_wide: the wide ones)
+  g=$GRID_SET
+  replay ffn_$g --kernel ffn --model llama-2-7b --batch 1 --seq 1 --space $spaces/ffn_$g.yaml
+  replay qkv_$g --kernel qkv --model llama-2-7b --batch 1 --seq 1 --space $spaces/qkv_$g.yaml
+  replay lola_$g --kernel lola --dims dim=4096,out=16384 --batch 1 --seq 1 \
+    --space $spaces/lola_$g.yaml
+  replay ffn_${g}_e4m3 --kernel ffn --model llama-2-7b --batch 1 --seq 1 --weights fp8-e4m3 \
+    --space $spaces/ffn_$g.yaml
+  replay qkv_${g}_e4m3 --kernel qkv --model llama-2-7b --batch 1 --seq 1 --weights fp8-e4m3 \
+    --space $spaces/qkv_$g.yaml
   exit 0
 fi
 if [ "${GRID_SET:-main}" = qkv_tma ]; then  # run_gpu_tma.sh, TMA_SET=qkv

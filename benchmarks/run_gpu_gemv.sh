@@ -6,25 +6,35 @@
 # on those tables (kernel launches beside the read-only kernel of the same bytes), 16-bit and
 # e4m3. Everything lands in $OUT/gemv.tgz (see gpu_steps.sh).
 #   source .whl/setup.sh && bash benchmarks/run_gpu_gemv.sh
+# GEMV_SPACE=gemv_wide: the grids of benchmarks/grid_spaces/*_gemv_wide.yaml instead (1-8 rows
+# per program, K-steps up to a whole row); GEMV_TESTS=0 leaves out the GPU tests; GEMV_GRIDS
+# names the grids to run (default: ffn qkv lola ffn_e4m3 qkv_e4m3).
 set -uo pipefail
 source "$(dirname "$0")/gpu_steps.sh" gemv
 gpu=$(python3 -c "import torch; from fusetune.tables import gpu_for_device; \
 print(gpu_for_device(torch.device('cuda')).name)")
 db=sqlite:///$work/gemv_grid.db
 spaces=benchmarks/grid_spaces
+space=${GEMV_SPACE:-gemv}
 grid() {  # NAME KERNEL ARGS...: one point's grid (one replay seed: the grid is the point)
   local name=$1 kernel=$2; shift 2
   step "grid_$name" 150 python3 -m fusetune.cli evaluate-search --kernel "$kernel" --gpu "$gpu" \
     --db "$db" --isolate --trial-timeout 60 --seeds 1 --strategies random --dtype float16 \
-    --batch 1 --seq 1 --space "$spaces/${kernel}_gemv.yaml" "$@"
+    --batch 1 --seq 1 --space "$spaces/${kernel}_$space.yaml" "$@"
 }
-step gemv_tests 240 python3 -m pytest -q -m gpu -k "gemv" tests/kernels/test_ffn.py \
+[ "${GEMV_TESTS:-1}" = 0 ] || step gemv_tests 240 python3 -m pytest -q -m gpu -k "gemv" tests/kernels/test_ffn.py \
   tests/kernels/test_qkv.py tests/kernels/test_lola.py tests/kernels/test_fp8.py
-grid ffn ffn --model llama-2-7b
-grid qkv qkv --model llama-2-7b
-grid lola lola --dims dim=4096,out=16384
-grid ffn_e4m3 ffn --model llama-2-7b --weights fp8-e4m3
-grid qkv_e4m3 qkv --model llama-2-7b --weights fp8-e4m3
+# GEMV_GRIDS: which of the five grids to run (default: all).
+for g in ${GEMV_GRIDS:-ffn qkv lola ffn_e4m3 qkv_e4m3}; do
+  case $g in
+    ffn) grid ffn ffn --model llama-2-7b ;;
+    qkv) grid qkv qkv --model llama-2-7b ;;
+    lola) grid lola lola --dims dim=4096,out=16384 ;;
+    ffn_e4m3) grid ffn_e4m3 ffn --model llama-2-7b --weights fp8-e4m3 ;;
+    qkv_e4m3) grid qkv_e4m3 qkv --model llama-2-7b --weights fp8-e4m3 ;;
+    *) echo "unknown grid $g (valid: ffn qkv lola ffn_e4m3 qkv_e4m3)"; exit 2 ;;
+  esac
+done
 step export 60 python3 -m fusetune.cli export "$work/gemv_tables.yaml" --gpu "$gpu" --db "$db"
 export FUSETUNE_TABLES=$work/gemv_tables.yaml
 step decode 120 python3 -m benchmarks.bench_decode

@@ -74,7 +74,7 @@ def _qkv_kernel(
     WQ, WK, WV,  # *[Nq, K], *[Nkv, K], *[Nkv, K] weights (nn.Linear layout, unit column stride)
     # With TMA: descriptors over the rows of each pair's column a and of its column b, for
     # WQ, WK and WV (INTERLEAVED: the even rows W[0::2] and the odd rows W[1::2]; otherwise
-    # W itself twice). Not read without TMA.
+    # W itself twice). None without TMA (the launcher's Python cost grows with each tensor).
     QA, QB, KA, KB, VA, VB,
     OQ, OK, OV,  # *[M, Nq], *[M, Nkv], *[M, Nkv] outputs, contiguous
     WS,  # *[2·SPLIT_K, M, NQ_PAIRS + 2·NKV_PAIRS] float32 partial products (split-K only)
@@ -245,11 +245,14 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     # TMA: x and the rows of each pair's two columns through descriptors (see the kernel),
     # where the config asks for it and the tensors allow it; half-split pairs only where a
     # tile's pairs lie in one head. Else the same tiles by pointers.
-    rows = [r for w in (wq, wk, wv)
-            for r in ((w[0::2], w[1::2]) if interleaved else (w, w))]
-    descs = (tma_descriptors("qkv", config, w_fp8, x, rows)
-             if tma_pairs(interleaved, head_dim, bn) else None)
-    xa, *row_descs = descs or (x, *(wq, wq, wk, wk, wv, wv))
+    # The strided views are made only then: at decode this launch path costs more CPU time
+    # than the kernel takes on the GPU, and six views are a fifth of it.
+    descs = None
+    if config.get("TMA") and tma_pairs(interleaved, head_dim, bn):
+        rows = [r for w in (wq, wk, wv)
+                for r in ((w[0::2], w[1::2]) if interleaved else (w, w))]
+        descs = tma_descriptors("qkv", config, w_fp8, x, rows)
+    xa, *row_descs = descs or (x, *[None] * 6)
     nq_pairs, nkv_pairs = wq.shape[0] // 2, wk.shape[0] // 2
     split = config["SPLIT_K"]
     ws = wsq = oq  # not read unless split > 1

@@ -101,6 +101,16 @@ def test_gemv_awkward_width_d3000(passes: int, split: int, unroll: int) -> None:
                                 "num_warps": 2, "num_stages": 1})
 
 
+@pytest.mark.parametrize(("rows", "unroll", "warps"), [(1, 1, 2), (2, 1, 4), (2, 0, 8)])
+def test_gemv_whole_rows(rows: int, unroll: int, warps: int) -> None:
+    # One or two weight rows per program and K-steps of 2048: the 3000-wide row in one
+    # iteration (UNROLL_K = 1: a whole step and a partial one) or in two.
+    x, g, w1, w3 = make(2, 3000, 5, torch.float16)
+    check(x, g, w1, w3, config={"BLOCK_M": 1, "BLOCK_N": rows, "BLOCK_K": 2048, "GROUP_M": 1,
+                                "PASSES": 1, "SPLIT_K": 1, "UNROLL_K": unroll,
+                                "num_warps": warps, "num_stages": 1})
+
+
 TMA_CONFIGS = [
     {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 1,
      "TMA": 1, "num_warps": 4, "num_stages": 2},
@@ -306,3 +316,14 @@ def test_gpu_gemv_structure(dtype: torch.dtype, m: int, split: int, unroll: int)
     check(*make(m, 4096, 11008, dtype), config={
         "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024, "GROUP_M": 1, "PASSES": 1,
         "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gpu_gemv_whole_rows(dtype: torch.dtype, m: int) -> None:
+    # The H100's decode winner: two weight rows per program, the 4096-wide row in one
+    # iteration (two K-steps of 2048).
+    check(*make(m, 4096, 11008, dtype), config={
+        "BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "GROUP_M": 1, "PASSES": 1,
+        "SPLIT_K": 1, "UNROLL_K": 1, "num_warps": 8, "num_stages": 1})

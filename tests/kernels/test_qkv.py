@@ -115,6 +115,11 @@ def test_llama_head_layouts(nh: int, nkv: int, hd: int, interleaved: bool) -> No
     # two K-steps per iteration (K = 96: two steps of 32 and an empty one after the third)
     {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
      "UNROLL_K": 1, "num_warps": 2, "num_stages": 1},
+    # one or two pairs per program, the whole row in one iteration (two steps of 64 over 96)
+    {"BLOCK_M": 1, "BLOCK_N": 1, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
+     "UNROLL_K": 1, "num_warps": 2, "num_stages": 1},
+    {"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 128, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
+     "UNROLL_K": 0, "num_warps": 4, "num_stages": 1},
 ])
 def test_configs(config: dict[str, int]) -> None:
     # Blocks straddle heads and the Q/K/V boundaries, rows span several row-blocks.
@@ -143,6 +148,42 @@ def test_tma_descriptors(interleaved: bool, dtype: torch.dtype, split: int,
         n_rows = [t.shape[0] for t in made[1:]]
         assert n_rows == ([96, 96, 32, 32, 32, 32] if interleaved else
                           [192, 192, 64, 64, 64, 64])
+
+
+def test_no_row_views_without_tma(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without TMA the launch makes no strided views of the weights and passes None for the six
+    # row descriptors: at decode the launch path's CPU time exceeds the kernel's GPU time, and
+    # the views and six more tensor arguments were a large part of it.
+    sliced: list[object] = []
+    real_getitem = torch.Tensor.__getitem__
+
+    def getitem(self: torch.Tensor, index: object) -> torch.Tensor:
+        sliced.append(index)
+        return real_getitem(self, index)
+
+    args: list[tuple[object, ...]] = []
+    real_kernel = qkv_mod._qkv_kernel
+
+    class Recorder:
+        def __getitem__(self, grid: object) -> object:
+            def launch(*a: object, **kw: object) -> object:
+                args.append(a)
+                return real_kernel[grid](*a, **kw)
+            return launch
+
+    tensors = make(1, 3, 96, 6, 2, 32, torch.float16)
+    monkeypatch.setattr(qkv_mod, "_qkv_kernel", Recorder())
+    monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
+    gemv = {"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
+            "UNROLL_K": 1, "num_warps": 2, "num_stages": 1}
+    outs = fusetune.qkv(*tensors, head_dim=32, config=gemv)
+    monkeypatch.undo()
+    assert sliced == []
+    assert len(args) == 1 and args[0][5:11] == (None,) * 6  # X, G, WQ, WK, WV, then QA..VB
+    refs = reference(*(t.cpu() for t in tensors), 32, 0, True)
+    for name, out, ref in zip("qkv", outs, refs, strict=True):
+        err = float((out.cpu().double() - ref).norm() / ref.norm())
+        assert err <= TOL[torch.float16], f"{name}: relative error {err:.3e}"
 
 
 def test_tma_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch) -> None:

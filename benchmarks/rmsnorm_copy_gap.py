@@ -1,0 +1,110 @@
+"""RMSNorm beside a copy at 4096 x 4096 (67 MB moved): the kernel, or where the bytes lie?
+
+A diagnostic, not part of fusetune. In bench_rmsnorm's own setting (its `make_case`, plain
+calls, interleaved rounds of do_bench with the L2 flushed) it times, beside the tuned call and
+the copy `y.copy_(x)`:
+
+- the kernel with the tuned config writing into the copy's own output, and into another buffer;
+- a copy into a freshly allocated output (`x.clone()`), as the tuned call allocates its own;
+- a one-row-per-program variant of the kernel with each combination of a load eviction hint
+  (none, evict_first) and a store cache modifier (none, .cs, .wt, .cg).
+
+    python -m benchmarks.rmsnorm_copy_gap [--rows 4096] [--rounds 3] [--graph] [--liger]
+
+With several --rows (e.g. 1,4096,16384, as bench_rmsnorm allocates them) every case is timed,
+with --graph the kernels as CUDA-graph replays (the copy stays a plain call, as in
+bench_rmsnorm), with --liger Liger Kernel's RMSNorm beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks import bench_rmsnorm
+from benchmarks.timing import time_cases
+from fusetune.gpus import GpuSpec
+from fusetune.kernels.rmsnorm import _launch_2d
+from fusetune.tables import gpu_for_device
+
+
+@triton.jit
+def _hinted_rmsnorm(X, W, Y, D, stride_xm, stride_ym, eps, BLOCK_D: tl.constexpr,
+                    LOAD: tl.constexpr, STORE: tl.constexpr):
+    # One row per program (BLOCK_D >= D, masked tail); x read with eviction policy LOAD, y
+    # written with cache modifier STORE ("" for none); float32 math as in fusetune's kernel.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    ok = cols < D
+    x = tl.load(X + row * stride_xm + cols, mask=ok, other=0.0,
+                eviction_policy=LOAD).to(tl.float32)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    tl.store(Y + row * stride_ym + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=ok,
+             cache_modifier=STORE)
+
+
+def add_variants(case: dict[str, object]) -> None:
+    """Adds the diagnostic's callables to a bench_rmsnorm case (same x, w and copy output)."""
+    fns: dict[str, Callable[[], object] | None] = case["fns"]  # type: ignore[assignment]
+    x, w, y = case["x"], case["w"], case["y"]  # type: ignore[misc]
+    m, d = x.shape
+    cfg = case["tuned_cfg"]
+    other = torch.empty_like(x)
+    fns["kernel into the copy's y"] = lambda: _launch_2d(x, w, y, 1e-6, cfg)
+    fns["kernel into another buffer"] = lambda: _launch_2d(x, w, other, 1e-6, cfg)
+    fns["copy into a new tensor"] = lambda: x.clone()
+    block_d = triton.next_power_of_2(d)
+    for load in ("", "evict_first"):
+        for store in ("", ".cs", ".wt", ".cg"):
+            def run(load: str = load, store: str = store) -> None:
+                _hinted_rmsnorm[(m,)](x, w, other, d, x.stride(0), other.stride(0), 1e-6,
+                                      BLOCK_D=block_d, LOAD=load, STORE=store, num_warps=8)
+            fns[f"one row, load {load or '-'}, store {store or '-'}"] = run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="4096", help="row counts, comma-separated")
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--graph", action="store_true", help="kernels as CUDA-graph replays")
+    ap.add_argument("--liger", action="store_true", help="Liger Kernel's RMSNorm too")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gpu: GpuSpec = gpu_for_device(torch.device("cuda"))
+    print(f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, Triton "
+          f"{triton.__version__}; median µs of do_bench (L2 flushed), "
+          f"{'CUDA-graph replays (the copy: plain calls)' if args.graph else 'plain calls'}, "
+          f"median of {args.rounds} interleaved rounds")
+    liger = bench_rmsnorm.liger_rmsnorm() if args.liger else None
+    cases = []
+    for dtype in ("float16", "bfloat16"):
+        for rows in (int(r) for r in args.rows.split(",")):
+            case = bench_rmsnorm.make_case(rows, args.dim, dtype, gpu, lambda x, w: None,
+                                           liger)
+            add_variants(case)
+            cases.append(case)
+    skip = ("eager", "compile") + (() if liger else ("liger",))
+    impls = [k for k in cases[0]["fns"] if k not in skip]
+    medians, _ = time_cases(cases, impls, rounds=args.rounds, graphs=args.graph)
+    for case, t in zip(cases, medians, strict=True):
+        copy = t["copy"]
+        print(f"\n{case['dtype']} {case['m']} x {args.dim} ({case['copy_bytes'] / 1e6:.0f} MB "
+              f"read + written): copy {copy:.1f} µs\n")
+        print("| implementation | µs | bandwidth / copy's |\n|---|---:|---:|")
+        for k, v in t.items():
+            if v is not None:
+                print(f"| {k} | {v:.1f} | {100 * copy / v:.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
