@@ -5,9 +5,9 @@ allocation, which at these sizes costs more than the GPU work) with the config o
 table, timed with do_bench (L2 flushed) in the same process as a Triton kernel that only reads
 the same number of bytes (benchmarks/bench_read_bw.py, its fastest shape) and a
 device-to-device copy. The kernel is timed twice: as CUDA-graph replays (the figure compared
-with the ceiling: no Python in the timed region) and as plain launches, as the tuner times
-them, which is higher where one launch's Python-side cost exceeds do_bench's L2 flush (qkv's
-launch path costs about 100 µs of CPU).
+with the ceiling: no Python in the timed region; the tuner times graph replays too) and as
+plain launches, which is higher where one launch's Python-side cost exceeds do_bench's L2
+flush.
 
     python -m benchmarks.bench_decode [--weights fp8-e4m3]
 
@@ -28,7 +28,7 @@ from benchmarks.bench_read_bw import read_us
 from benchmarks.timing import as_graph, median_us
 from fusetune import models
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Point
+from fusetune.kernels._spec import Config, KernelSpec, Point
 from fusetune.tables import gpu_for_device, lookup
 from fusetune.tuner.bench import Evaluator
 
@@ -65,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         if not check.ok:
             print(f"| {kernel} | {dims} | - | {check.status}: {check.reason} | | | | | | |")
             continue
-        plain = ev.time(config)[1]
-        t = median_us(as_graph(lambda ev=ev, spec=spec, config=config: spec.launch(
-            ev.inputs, ev.outputs, config)))
+
+        def launch(ev: Evaluator = ev, spec: KernelSpec = spec, config: Config = config) -> None:
+            spec.launch(ev.inputs, ev.outputs, config)
+
+        plain = median_us(launch)
+        t = median_us(as_graph(launch))
         nbytes = spec.cost(point).bytes
         x = torch.empty(nbytes // 2, device="cuda", dtype=torch.float16).normal_()
         read = min(read_us(x, *s) for s in READ_SHAPES)
