@@ -44,3 +44,21 @@ def test_launch_that_cannot_be_captured_runs_plain() -> None:
     replay()
     torch.cuda.synchronize()
     assert float(x[0]) >= 1
+
+
+def test_which_points_are_timed_as_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Decode-sized points (roofline floor under GRAPH_BELOW_US on the device) are timed as
+    # graph replays; prefill-sized ones as plain launches; the interpreter never captures.
+    import fusetune.tables
+    from fusetune import gpus, models
+    from fusetune.tuner.bench import GRAPH_BELOW_US, floor_us
+
+    monkeypatch.setattr(fusetune.tables, "gpu_for_device", lambda device=None: gpus.resolve("h100"))
+    spec = get_spec("ffn")
+    dims = spec.dims_from_model(models.preset("llama-2-7b"))
+    decode = Point.make("ffn", dims, 1, 1, "float16")
+    prefill = Point.make("ffn", dims, 1, 4096, "float16")
+    # 180 MB of weights at 3.35 TB/s; 4096 rows: 0.74 TFLOP at the fp16 peak
+    assert 50 < floor_us(spec, decode, "cuda") < GRAPH_BELOW_US < floor_us(spec, prefill, "cuda")
+    small = Point.make("ffn", {"dim": 64, "hidden": 48}, 1, 3, "float32")
+    assert not Evaluator(spec, small, "interpreter", "cpu").graphs

@@ -76,6 +76,23 @@ def classify_exception(exc: BaseException) -> tuple[str, str]:
     return "runtime_error", f"{name}: {msg}"
 
 
+# Points whose roofline floor (floor_us) is below this many µs are timed as graph replays.
+GRAPH_BELOW_US = 150.0
+
+
+def floor_us(spec: KernelSpec, point: Point, device: str | torch.device) -> float:
+    """The point's roofline floor on `device`: its bytes at the GPU's memory bandwidth or its
+    flops at its fp16 peak, whichever takes longer (1 TB/s and 100 TFLOP/s where the catalogue
+    has no figure)."""
+    from fusetune.tables import gpu_for_device
+
+    gpu = gpu_for_device(torch.device(device))
+    cost = spec.cost(point)
+    bandwidth = (gpu.bandwidth_gbs or 1000.0) * 1e9
+    peak = (gpu.peak_fp16_tflops or 100.0) * 1e12
+    return max(cost.bytes / bandwidth, cost.flops / peak) * 1e6
+
+
 def captured_launch(fn: Callable[[], None]) -> Callable[[], None]:
     """`fn` (a launch that has run before: compiled) captured in a CUDA graph; the returned
     replay holds `fn` and the graph, whose private memory pool keeps what the launch
@@ -112,6 +129,8 @@ class Evaluator:
         self.reference = spec.reference(self.inputs)
         self.outputs = spec.make_outputs(self.inputs)
         self.tolerance = spec.tolerance[point.dtype]
+        # Timed as CUDA-graph replays (see time) where the point's kernels are short.
+        self.graphs = backend == "cuda" and floor_us(spec, point, device) < GRAPH_BELOW_US
 
     def _sync(self) -> None:
         if self.backend == "cuda":
@@ -159,16 +178,19 @@ class Evaluator:
         return Outcome("ok", rel_err=worst, compile_s=compile_s)
 
     def time(self, config: Config, rep_ms: int = 100) -> tuple[float, float, float]:
-        """(p20, p50, p80) in µs. CUDA: triton's do_bench with the L2 flushed between runs, over
-        replays of a CUDA graph of the launch (captured_launch): the GPU time of its kernels,
-        which is what a table is for. Timing plain launches timed the CPU wherever the
-        launch path's Python took longer than do_bench's L2 flush (decode-sized kernels with
-        many arguments, split-K's two launches)."""
+        """(p20, p50, p80) in µs. CUDA: triton's do_bench with the L2 flushed between runs.
+        Points whose roofline floor is under GRAPH_BELOW_US are timed over replays of a CUDA
+        graph of the launch (captured_launch): timing their plain launches timed the CPU
+        wherever the launch path's Python took longer than do_bench's L2 flush (decode-sized
+        kernels with many arguments, split-K's two launches). Longer kernels hide the launch
+        path and are timed as plain launches (no capture, no graph memory per config)."""
         fn = self._run(config)
         if self.backend == "cuda":
             from triton.testing import do_bench
 
-            q = do_bench(captured_launch(fn), warmup=25, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+            if self.graphs:
+                fn = captured_launch(fn)
+            q = do_bench(fn, warmup=25, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
             return q[0] * 1e3, q[1] * 1e3, q[2] * 1e3
         # Interpreter: wall-clock of a few runs; meaningless as performance, kept for the flow.
         samples = []
