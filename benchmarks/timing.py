@@ -8,7 +8,6 @@ in interleaved rounds; each figure is the median over rounds of do_bench's media
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -19,6 +18,8 @@ from typing import Any
 
 import torch
 from triton.testing import do_bench
+
+from fusetune.tuner.bench import captured_launch
 
 Fn = Callable[[], object]
 # A copy is timed as a plain call (its launch path is short enough not to leave the GPU idle),
@@ -77,19 +78,15 @@ def as_graph(fn: Fn) -> Fn:
     """`fn` captured in a CUDA graph: replays cost the GPU time of its kernels only, so a slow
     Python launch path cannot leave the GPU idle inside the timed region (inference servers
     launch these kernels from graphs too). The replay holds `fn`, and with it the tensors its
-    closure holds: the captured kernels read and write those tensors' memory, which must stay
-    allocated while the graph replays (when a benchmark's only reference to its inputs was the
-    closure, replacing it by the graph freed them, and replays faulted or read reused memory)."""
+    closure holds (fusetune.tuner.bench.captured_launch): when a benchmark's only reference to
+    its inputs was the closure, replacing it by its graph freed them, and replays faulted.
+    RuntimeError where `fn` cannot be captured."""
     fn()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return functools.partial(_replay, graph, fn)
-
-
-def _replay(graph: torch.cuda.CUDAGraph, captured: Fn) -> None:
-    graph.replay()  # `captured` is an argument only to keep it alive
+    replay = captured_launch(fn)
+    if replay is fn:
+        raise RuntimeError("the call cannot be captured in a CUDA graph")
+    return replay
 
 
 def host_us_per_call(fn: Fn, n: int = 2000) -> float:
