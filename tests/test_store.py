@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -295,6 +296,47 @@ def test_a_config_is_claimed_once(db_url: str) -> None:
     assert {r.config_key for r in store.running(pid).values()} == {k, config_key(CFG_B)}
     store.release(first)
     assert other.claim_running(pid, 2, "host-b", 222, k) is not None  # free again
+
+
+def test_a_claim_gone_elsewhere_is_released_and_beaten_quietly(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another process may remove a claim (failing it as stale) while its owner is inside a
+    # heartbeat or its release: both are then no-ops, without SQLAlchemy's row-count warning.
+    store, other = Store(db_url), Store(db_url)
+    pid = store.point_id(key())
+    real_session = store.session
+    claim: int | None = None
+
+    def session_with_race() -> Any:
+        # The claim disappears after a read of its row, or just before a statement.
+        s = real_session()
+        real_get, real_execute = s.get, s.execute
+        reading = []  # non-empty while get reads (it runs execute itself)
+
+        def get(*args: Any, **kwargs: Any) -> Any:
+            reading.append(True)
+            row = real_get(*args, **kwargs)
+            reading.clear()
+            other.release(claim)
+            return row
+
+        def execute(*args: Any, **kwargs: Any) -> Any:
+            if not reading:
+                other.release(claim)
+            return real_execute(*args, **kwargs)
+
+        s.get, s.execute = get, execute
+        return s
+
+    for trial, act in enumerate((store.beat, store.release)):
+        claim = store.claim_running(pid, trial, "host-a", 111, config_key(CFG_A))
+        assert claim is not None
+        monkeypatch.setattr(store, "session", session_with_race)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            act(claim)
+        monkeypatch.undo()
+        assert store.running(pid) == {}
 
 
 def test_heartbeat_respects_a_live_claim_and_takes_over_a_dead_one(db_url: str) -> None:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, event, inspect, select, text
+from sqlalchemy import Connection, create_engine, delete, event, inspect, select, text, update
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
@@ -310,19 +310,18 @@ class Store:
             return s.scalars(select(RunningRow).where(RunningRow.point_id == point_id, cond)
                              .order_by(RunningRow.id)).first()
 
+    # beat and release are single statements on the claim's id: another process may have
+    # removed the claim in between (a stale claim failed by a resuming search), which is fine.
     def beat(self, running_id: int) -> None:
         with self.session() as s:
-            row = s.get(RunningRow, running_id)
-            if row is not None:
-                row.heartbeat_at = utcnow()
-                s.commit()
+            s.execute(update(RunningRow).where(RunningRow.id == running_id)
+                      .values(heartbeat_at=utcnow()))
+            s.commit()
 
     def release(self, running_id: int) -> None:
         with self.session() as s:
-            row = s.get(RunningRow, running_id)
-            if row is not None:
-                s.delete(row)
-                s.commit()
+            s.execute(delete(RunningRow).where(RunningRow.id == running_id))
+            s.commit()
 
     def running(self, point_id: int) -> dict[int, RunningRow]:
         """The claimed trials of a point by trial number."""
