@@ -81,16 +81,15 @@ GRAPH_BELOW_US = 150.0
 
 
 def floor_us(spec: KernelSpec, point: Point, device: str | torch.device) -> float:
-    """The point's roofline floor on `device`: its bytes at the GPU's memory bandwidth or its
-    flops at its fp16 peak, whichever takes longer (1 TB/s and 100 TFLOP/s where the catalogue
-    has no figure)."""
+    """The point's roofline floor (Cost.floor_us) at the datasheet rates of `device`'s GPU:
+    its memory bandwidth and fp16 peak (1 TB/s and 100 TFLOP/s where the catalogue has no
+    figure)."""
     from fusetune.tables import gpu_for_device
 
     gpu = gpu_for_device(torch.device(device))
-    cost = spec.cost(point)
-    bandwidth = (gpu.bandwidth_gbs or 1000.0) * 1e9
-    peak = (gpu.peak_fp16_tflops or 100.0) * 1e12
-    return max(cost.bytes / bandwidth, cost.flops / peak) * 1e6
+    floor = spec.cost(point).floor_us(gpu.bandwidth_gbs or 1000.0, gpu.peak_fp16_tflops or 100.0)
+    assert floor is not None  # both rates are given
+    return floor
 
 
 def captured_launch(fn: Callable[[], None]) -> Callable[[], None]:
