@@ -6,17 +6,23 @@ Prints, for both runs: the wall time of the whole command, the configs evaluated
 (results with a device; pruned configs run nowhere) and the throughput, configs per second of
 wall time; then the ratio of the throughputs and, point by point, whether the winners agree.
 
-Winners agree at a point when they are the same config, or when their times (each run re-times
-its own winner, interleaved with the default config) are within 2% of each other: a tie at the
-noise of this measurement. The two runs may sample different configs (with several devices a
-point can start before its neighbours' winners, which seed its study, exist), so a different
-config within 2% is not a disagreement; one more than 2% slower is reported as such.
+Winners agree at a point when they are the same config, or when their times are within 2% of
+each other: a tie at the noise of this measurement. The two runs may sample different configs
+(with several devices a point can start before its neighbours' winners, which seed its study,
+exist), so a different config within 2% is not a disagreement; one more than 2% slower is
+reported as such. The times compared are both winners re-timed here, after the searches, on one
+device (--retime-device, default cuda:0) in interleaved rounds: each search's stored time is from
+the GPU that tuned the point, which in the several-device run may be another one than in the
+one-device run (GPUs of one model differ by a few percent). The stored times are shown too.
 
     python3 -m benchmarks.bench_devices --out bench_out            # ffn, 4 points, 24 trials
 
 Each search is stopped (as with Ctrl-C) after --run-timeout seconds (default 110), so that the
 whole comparison takes at most about four minutes; a stopped run is reported as failed.
     python3 -m benchmarks.bench_devices --kernel rmsnorm --batch 1,16,64 --seq 1,512 --trials 16
+
+--retime-only DIR re-times an earlier comparison's winners (more --retime-rounds) without
+searching again.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class Run:
     by_device: dict[str, int] = field(default_factory=dict)
     # (batch, seq, dtype, weights) as "b=.. s=.. dtype" -> (config JSON, µs, results at the point)
     winners: dict[str, tuple[str, float, int]] = field(default_factory=dict)
+    # the same labels -> (kernel, dims JSON, batch, seq, dtype, weights)
+    points: dict[str, tuple[str, str, int, int, str, str]] = field(default_factory=dict)
 
     @property
     def per_s(self) -> float:
@@ -60,13 +68,14 @@ def read_db(path: Path, run: Run) -> None:
         run.by_device = dict(con.execute(
             "SELECT device, COUNT(*) FROM ft_results WHERE device IS NOT NULL GROUP BY device "
             "ORDER BY device").fetchall())
-        for batch, seq, dtype, weights, config, time_us, n in con.execute(
-                "SELECT p.batch, p.seq, p.dtype, p.weights, w.config, w.time_us, "
-                "(SELECT COUNT(*) FROM ft_results r WHERE r.point_id = p.id) "
+        for kernel, dims, batch, seq, dtype, weights, config, time_us, n in con.execute(
+                "SELECT p.kernel, p.dims, p.batch, p.seq, p.dtype, p.weights, w.config, "
+                "w.time_us, (SELECT COUNT(*) FROM ft_results r WHERE r.point_id = p.id) "
                 "FROM ft_points p JOIN ft_winners w ON w.point_id = p.id"):
             label = f"b={batch} s={seq} {dtype}" + (f" w={weights}" if weights else "")
             config = json.dumps(json.loads(config), sort_keys=True, separators=(",", ":"))
             run.winners[label] = (config, float(time_us), int(n))
+            run.points[label] = (kernel, dims, int(batch), int(seq), dtype, weights or "")
     finally:
         con.close()
 
@@ -115,7 +124,44 @@ def search(args: argparse.Namespace, devices: str, out: Path, name: str) -> Run:
     return run
 
 
-def agreement(one: Run, many: Run) -> list[dict[str, object]]:
+def retime(one: Run, many: Run, device: str, rounds: int) -> dict[str, tuple[float, float]]:
+    """label -> (µs of the one-device run's winner, µs of the other's), both timed on `device`
+    in `rounds` interleaved rounds (medians; the tuner's own timing: CUDA-graph replays where
+    the point is short), for every point where the two winners are different configs."""
+    import statistics
+
+    from fusetune.kernels import get_spec
+    from fusetune.kernels._spec import Point
+    from fusetune.tuner.bench import Evaluator
+
+    times: dict[str, tuple[float, float]] = {}
+    for label in sorted(set(one.winners) & set(many.winners)):
+        a, b = one.winners[label][0], many.winners[label][0]
+        if a == b:
+            continue
+        kernel, dims, batch, seq, dtype, weights = one.points[label]
+        spec = get_spec(kernel)
+        ev = Evaluator(spec, Point.make(kernel, json.loads(dims), batch, seq, dtype, weights),
+                       "cuda", device)
+        configs = (json.loads(a), json.loads(b))
+        for c in configs:
+            if not (out := ev.check(c)).ok:
+                print(f"{label}: winner {c} is {out.status} on {device}: {out.reason}")
+                break
+        else:
+            samples: tuple[list[float], list[float]] = ([], [])
+            for _ in range(rounds):
+                for c, acc in zip(configs, samples, strict=True):
+                    acc.append(ev.time(c)[1])
+            times[label] = (statistics.median(samples[0]), statistics.median(samples[1]))
+            print(f"{label}: re-timed on {device}: {times[label][0]:.2f} vs "
+                  f"{times[label][1]:.2f} µs", flush=True)
+        del ev
+    return times
+
+
+def agreement(one: Run, many: Run, retimed: dict[str, tuple[float, float]]
+              ) -> list[dict[str, object]]:
     rows = []
     for label in sorted(set(one.winners) | set(many.winners)):
         a, b = one.winners.get(label), many.winners.get(label)
@@ -123,13 +169,21 @@ def agreement(one: Run, many: Run) -> list[dict[str, object]]:
             rows.append({"point": label, "verdict": "missing in " +
                          ("--devices 0" if a is None else f"--devices {many.devices}")})
             continue
-        diff = abs(a[1] - b[1]) / min(a[1], b[1])
-        verdict = ("same config" if a[0] == b[0] else
-                   f"tie: other config within {100 * diff:.1f}%" if diff <= TIE else
-                   f"differ: {100 * diff:.1f}% apart")
-        rows.append({"point": label, "one_us": a[1], "many_us": b[1], "one_results": a[2],
-                     "many_results": b[2], "one_config": a[0], "many_config": b[0],
-                     "agree": a[0] == b[0] or diff <= TIE, "verdict": verdict})
+        row: dict[str, object] = {"point": label, "one_us": a[1], "many_us": b[1],
+                                  "one_results": a[2], "many_results": b[2],
+                                  "one_config": a[0], "many_config": b[0]}
+        if a[0] == b[0]:
+            row |= {"agree": True, "verdict": "same config"}
+        elif label in retimed:
+            ta, tb = retimed[label]
+            diff = abs(ta - tb) / min(ta, tb)
+            faster = "--devices 0's" if ta < tb else f"--devices {many.devices}'s"
+            row |= {"one_retimed_us": ta, "many_retimed_us": tb, "agree": diff <= TIE,
+                    "verdict": (f"tie: other config within {100 * diff:.1f}%" if diff <= TIE
+                                else f"differ: {faster} {100 * diff:.1f}% faster")}
+        else:
+            row |= {"agree": False, "verdict": "different configs, not re-timed"}
+        rows.append(row)
     return rows
 
 
@@ -146,16 +200,20 @@ def report(one: Run, many: Run, rows: list[dict[str, object]]) -> str:
                   f"with {len(many.by_device)} devices ({100 * ratio / n:.0f}% of linear); wall "
                   f"time ratio {one.wall_s / many.wall_s:.2f}×.", "",
               "| point | --devices 0 µs | results | "
-              f"--devices {many.devices} µs | results | winners |", "|---|---|---|---|---|---|"]
+              f"--devices {many.devices} µs | results | both re-timed on one device µs | "
+              "winners |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         if "one_us" not in row:
-            lines.append(f"| {row['point']} | - | - | - | - | {row['verdict']} |")
+            lines.append(f"| {row['point']} | - | - | - | - | - | {row['verdict']} |")
             continue
+        again = (f"{row['one_retimed_us']:.2f} vs {row['many_retimed_us']:.2f}"
+                 if "one_retimed_us" in row else "-")
         lines.append(f"| {row['point']} | {row['one_us']:.2f} | {row['one_results']} | "
-                     f"{row['many_us']:.2f} | {row['many_results']} | {row['verdict']} |")
+                     f"{row['many_us']:.2f} | {row['many_results']} | {again} | "
+                     f"{row['verdict']} |")
     agree = sum(1 for r in rows if r.get("agree"))
     lines += ["", f"Winners agree at {agree} of {len(rows)} points (same config, or within "
-                  f"{100 * TIE:.0f}% of each other's time)."]
+                  f"{100 * TIE:.0f}% of each other's time, both timed on one device)."]
     return "\n".join(lines)
 
 
@@ -178,14 +236,30 @@ def main() -> int:
                          "(its stored results are counted, and the run reported as failed)")
     ap.add_argument("--compile-workers", type=int, default=None,
                     help="passed to both runs (default: the search's own default)")
+    ap.add_argument("--retime-device", default="cuda:0",
+                    help="where both runs' differing winners are timed again, side by side")
+    ap.add_argument("--retime-rounds", type=int, default=3)
+    ap.add_argument("--retime-only", metavar="DIR",
+                    help="run no search: re-time the winners of an earlier comparison's "
+                         "databases (DIR/devices_one.db, DIR/devices_all.db, DIR/bench_devices.json"
+                         " for the wall times) and report into --out")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    one = search(args, "0", out, "devices_one")
-    many = search(args, args.devices, out, "devices_all")
-    rows = agreement(one, many)
+    if args.retime_only:
+        earlier = Path(args.retime_only)
+        runs = json.loads((earlier / "bench_devices.json").read_text())
+        one = Run(runs["one"]["devices"], runs["one"]["wall_s"], runs["one"]["returncode"])
+        many = Run(runs["many"]["devices"], runs["many"]["wall_s"], runs["many"]["returncode"])
+        read_db(earlier / "devices_one.db", one)
+        read_db(earlier / "devices_all.db", many)
+    else:
+        one = search(args, "0", out, "devices_one")
+        many = search(args, args.devices, out, "devices_all")
+    retimed = retime(one, many, args.retime_device, args.retime_rounds)
+    rows = agreement(one, many, retimed)
     text = report(one, many, rows)
     print(text)
     (out / "bench_devices.md").write_text(text + "\n")

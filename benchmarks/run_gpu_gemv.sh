@@ -7,7 +7,8 @@
 # e4m3. Everything lands in $OUT/gemv.tgz (see gpu_steps.sh).
 #   source .whl/setup.sh && bash benchmarks/run_gpu_gemv.sh
 # GEMV_SPACE=gemv_wide: the grids of benchmarks/grid_spaces/*_gemv_wide.yaml instead (1-8 rows
-# per program, K-steps up to a whole row); GEMV_TESTS=0 leaves out the GPU tests; GEMV_GRIDS
+# per program, K-steps up to a whole row); GEMV_SPACE=gemv_two_pass: the same after a separate
+# norm pass (PASSES = 2; *_gemv_two_pass.yaml); GEMV_TESTS=0 leaves out the GPU tests; GEMV_GRIDS
 # names the grids to run (default: ffn qkv lola ffn_e4m3 qkv_e4m3).
 set -uo pipefail
 source "$(dirname "$0")/gpu_steps.sh" gemv
@@ -38,4 +39,6 @@ done
 step export 60 python3 -m fusetune.cli export "$work/gemv_tables.yaml" --gpu "$gpu" --db "$db"
 export FUSETUNE_TABLES=$work/gemv_tables.yaml
 step decode 120 python3 -m benchmarks.bench_decode
-step decode_e4m3 120 python3 -m benchmarks.bench_decode --weights fp8-e4m3
+case " ${GEMV_GRIDS:-ffn_e4m3} " in  # e4m3 decode only where an e4m3 grid ran
+  *_e4m3*) step decode_e4m3 120 python3 -m benchmarks.bench_decode --weights fp8-e4m3 ;;
+esac

@@ -143,13 +143,29 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
             err.print(f"[yellow]note:[/] --devices {devices} is ignored with --dry-run")
         _print_plan(spec, space, points, target, trials)
         return
-    if target.devices:
-        _run_search_on_devices(spec, space, points, target, args.db, trials, time_budget, seed,
-                               args.trial_timeout, _compile_workers(args, target, False))
-        return
-    _run_search(spec, space, points, target, args.db, trials, time_budget, seed,
-                args.worker_timeout, compile_workers=_compile_workers(args, target, False),
-                compile_timeout=args.trial_timeout)
+    plans = _plans_ahead(spec, space, points, target)
+    try:
+        if target.devices:
+            _run_search_on_devices(spec, space, points, target, args.db, trials, time_budget,
+                                   seed, args.trial_timeout, _compile_workers(args, target, False),
+                                   plans=plans)
+            return
+        _run_search(spec, space, points, target, args.db, trials, time_budget, seed,
+                    args.worker_timeout, compile_workers=_compile_workers(args, target, False),
+                    compile_timeout=args.trial_timeout, plans=plans)
+    finally:
+        plans.close()
+
+
+def _plans_ahead(spec: Any, space: Any, points: Sequence[Any], target: Target) -> Any:
+    """The points' plans, started at once in spawned processes on a GPU (tuner/plans.py; the
+    interpreter's searches are small and plan in this process)."""
+    import os
+
+    from fusetune.tuner.plans import PlansAhead
+
+    processes = min(8, max(1, (os.cpu_count() or 2) // 2)) if target.backend == "cuda" else 1
+    return PlansAhead(space, spec, points, target.gpu, processes)
 
 
 def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trials: int) -> None:
@@ -212,11 +228,13 @@ def _open_store(db: str) -> tuple[Any, Any]:
 
 def _open_context(spec: Any, space: Any, target: Target, db: str,
                   trial_timeout: float | None, device: str | None = None,
-                  compile_workers: int = 0, compile_timeout: float = 300.0) -> Any:
+                  compile_workers: int = 0, compile_timeout: float = 300.0,
+                  plans: Any = None) -> Any:
     """What every point of a run shares; configs run in a worker process if `trial_timeout`.
     `device`: one of the target's devices (default: its first). `compile_workers`: processes
     that compile configs ahead of that device (0: none), each config within `compile_timeout`
-    seconds. Close it with `close()`."""
+    seconds. `plans`: the points' plans (tuner/plans.py; None: each point plans its own).
+    Close it with `close()`."""
     import torch
     import triton
 
@@ -231,7 +249,7 @@ def _open_context(spec: Any, space: Any, target: Target, db: str,
     compiler = (CompileAhead(spec.name, device, compile_workers, compile_timeout)
                 if compile_workers > 0 else None)
     return Context(spec, space, target.gpu, target.backend, device, store, storage,
-                   triton.__version__, torch.__version__, worker, compiler)
+                   triton.__version__, torch.__version__, worker, compiler, plans)
 
 
 def _compile_workers(args: PointArgs, target: Target, default_on: bool = True) -> int:
@@ -268,13 +286,14 @@ def _progress() -> Any:
 def _run_search(spec: Any, space: Any, points: Sequence[Any], target: Any, db: str,
                 trials: int, time_budget: float | None, seed: int,
                 trial_timeout: float | None, compile_workers: int = 0,
-                compile_timeout: float = 300.0) -> None:
+                compile_timeout: float = 300.0, plans: Any = None) -> None:
     from fusetune.tuner.bench import DeviceLostError
     from fusetune.tuner.sampling import SEARCH_BATCH
     from fusetune.tuner.study import PointTuner, SearchOptions
 
     ctx = _open_context(spec, space, target, db, trial_timeout,
-                        compile_workers=compile_workers, compile_timeout=compile_timeout)
+                        compile_workers=compile_workers, compile_timeout=compile_timeout,
+                        plans=plans)
     options = SearchOptions(trials=trials, time_budget_s=time_budget, seed=seed)
     console.print(f"Tuning {spec.name} on {target.gpu.name} ({target.device}, {target.backend}) "
                   f"into {_shown(db)}: {len(points)} points, up to {trials} configs each"
@@ -338,7 +357,8 @@ class _DeviceProgress:
 
 def _run_search_on_devices(spec: Any, space: Any, points: Sequence[Any], target: Target,
                            db: str, trials: int, time_budget: float | None, seed: int,
-                           trial_timeout: float, compile_workers: int = 0) -> None:
+                           trial_timeout: float, compile_workers: int = 0,
+                           plans: Any = None) -> None:
     """`search --devices`: a worker per device (and `compile_workers` compile processes per
     device), the points shared out between them (tuner/devices.py). The devices run configs
     in worker processes whatever --isolate says, each within `trial_timeout` seconds."""
@@ -351,7 +371,7 @@ def _run_search_on_devices(spec: Any, space: Any, points: Sequence[Any], target:
         for d in target.devices:
             contexts.append(_open_context(spec, space, target, db, trial_timeout, d,
                                           compile_workers=compile_workers,
-                                          compile_timeout=trial_timeout))
+                                          compile_timeout=trial_timeout, plans=plans))
     except BaseException:
         for ctx in contexts:
             ctx.close()

@@ -181,11 +181,14 @@ def _limit_label(reason: str, gpu: GpuSpec) -> str:
 def make_plan(space: SearchSpace, spec: KernelSpec, point: Point, gpu: GpuSpec) -> Plan:
     """Enumerates the space for `point`, collapses equivalent configs, prunes by `gpu`'s limits."""
     plan = Plan(point, space.size, [])
+    seen: set[tuple[tuple[str, int], ...]] = set()  # cheaper to build than a config_key
     for raw in space.configs():
         c = spec.canonical(raw, point)
-        key = config_key(c)
-        if key in plan.representative:
+        items = tuple(sorted(c.items()))
+        if items in seen:
             continue
+        seen.add(items)
+        key = config_key(c)
         plan.representative[key] = raw
         why = check_fits(spec.resources(c, point), gpu)
         if why is None:

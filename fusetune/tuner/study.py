@@ -23,6 +23,7 @@ from fusetune.kernels._spec import Config, Cost, KernelSpec, Point
 from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
 from fusetune.tuner.compile_ahead import COMPILED, CompileAhead
 from fusetune.tuner.liveness import ClaimedElsewhere, Heartbeat, is_stale
+from fusetune.tuner.plans import PlansAhead
 from fusetune.tuner.sampling import (
     BATCH_SEARCH_STRATEGY,
     SEARCH_STRATEGY,
@@ -65,6 +66,8 @@ class Context:
     worker: Worker | None = None  # run configs in this subprocess (None: in this process)
     # Compile processes that compile the configs ahead of `device` (None: it compiles them)
     compiler: CompileAhead | None = None
+    # The points' plans, made ahead and shared by the devices (None: each tuner plans its own)
+    plans: PlansAhead | None = None
 
     def close(self) -> None:
         """Stops the worker and the compile processes."""
@@ -167,7 +170,8 @@ class PointTuner:
         self.ctx, self.point, self.options = ctx, point, options
         self.progress = progress or (lambda done, target, msg: None)
         self.spec = ctx.spec
-        self.plan: Plan = make_plan(ctx.space, ctx.spec, point, ctx.gpu)
+        self.plan: Plan = (ctx.plans.get(point) if ctx.plans is not None else
+                           make_plan(ctx.space, ctx.spec, point, ctx.gpu))
         self.key = ctx.key(point)
         self.point_id = ctx.store.point_id(self.key)
         self.results = ctx.store.results(self.point_id)
