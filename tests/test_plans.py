@@ -4,6 +4,11 @@ would make itself."""
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
 
 from fusetune import gpus
 from fusetune.kernels import get_spec
@@ -47,3 +52,36 @@ def test_a_spec_a_fresh_process_cannot_look_up_plans_here() -> None:
     assert not plans.parallel
     assert _same(plans.get(points[1]), make_plan(space, spec, points[1], gpu))
     plans.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not). Read from /proc: the pool's own thread
+    may reap a worker first, after which multiprocessing's is_alive() stays True."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_close_ends_the_processes_still_planning() -> None:
+    # A search stopped in its first seconds must not wait at exit for plans nobody will read
+    # (an ffn point's plan takes seconds of CPU).
+    from fusetune import models
+
+    spec = get_spec("ffn")
+    dims = spec.dims_from_model(models.preset("llama-2-7b"))
+    points = [Point.make("ffn", dims, b, 1, "float16") for b in (1, 16)]
+    plans = PlansAhead(load_space(spec), spec, points, gpus.resolve("h100"), processes=2)
+    children = multiprocessing.active_children()
+    assert plans.parallel
+    assert children, "the pool started no process"
+    t0 = time.monotonic()
+    plans.close()
+    for proc in children:
+        proc.join(timeout=8)  # returns at once where another thread reaped it
+        assert not _running(proc.pid), f"{proc} still planning after close()"
+    elapsed = time.monotonic() - t0
+    assert elapsed < 8, f"close() took {elapsed:.1f} s"  # planning one takes 10-20 s
+    assert not plans.parallel

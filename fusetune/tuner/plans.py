@@ -85,7 +85,14 @@ class PlansAhead:
             return self._plans.setdefault(point, plan)
 
     def close(self) -> None:
-        """Stops the pool: plans not started yet are dropped, running ones end unread."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Stops the pool: plans not started yet are dropped, processes still planning are
+        terminated (else this process would wait for them at exit: after a Ctrl-C in the
+        search's first seconds, up to a plan's whole time)."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        running = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in running:
+            if proc.is_alive():
+                proc.terminate()
