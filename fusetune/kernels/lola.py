@@ -132,10 +132,19 @@ def _lola_kernel(
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             w = mma_weight(w, x, W_FP8)  # FP8 weights: upcast to x's type, or kept as FP8
             if PASSES == 1:
-                xf = x.to(tl.float32)
+                # The sums come from a second load of the same tiles (L2 hits), not from the
+                # tiles tl.dot takes: on the H100 (Triton 3.6) summing those very tiles gave
+                # results that changed from launch to launch with 64-row tiles (relative
+                # errors up to 3e-2), and it was slower with 16-32-row tiles
+                # (benchmarks/lola_fold_check.py). ".cg" keeps the second load a load of
+                # its own.
+                xf = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
+                ws = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0,
+                             cache_modifier=".cg")
                 sum_x += tl.sum(xf, axis=1)
                 sum_x2 += tl.sum(xf * xf, axis=1)
-                sum_w += tl.sum(w.to(tl.float32), axis=0)
+                sum_w += tl.sum(mma_weight(ws, x, W_FP8).to(tl.float32), axis=0)
             # With PASSES == 2 the tiles go from memory to the tensor cores untouched, which
             # lets the compiler keep the asynchronous load/MMA pipeline that large M needs.
             acc = dot(x, w, acc, IEEE)
@@ -352,6 +361,20 @@ def _resources(config: Config, point: Point) -> Resources:
     if bm == 1:  # with PASSES == 1 the weights' sums take a second float32 tile
         return gemv_resources(config, point.rows, w_elt, n_weights=3 - config["PASSES"])
     smem = pipelined_smem(config, elt, n_weights=1, epilogue=False, operands=operands)
+    # PASSES = 1 (compiled with Triton 3.6 for sm_90, 16-bit and e4m3 weights, BLOCK_M
+    # 16-128, BLOCK_N 64-256, BLOCK_K 32-128, 2-8 warps, 2 and 4 stages: 432 configs, none
+    # above this model, median 1.03x; benchmarks/results/lola_fold_h100/smem_check.log): the
+    # folded loop's sums read their own copies of the tiles, so with wgmma tl.dot's operands go
+    # to the tensor cores as loaded (FP8 weights: upcast, then staged in shared memory once
+    # more in x's type) and the compiler keeps num_stages sets of tiles; and the float32
+    # accumulator tile may be staged for the epilogue (131072 B at 128/256/32 with 8 warps and
+    # 2 stages).
+    if config["PASSES"] == 1:
+        if bm >= 64 and config["num_warps"] >= 4:
+            tile = bm * bk * x_elt + bk * bn * w_elt
+            staged = bk * bn * elt if converted else 0
+            smem = max(smem, config["num_stages"] * tile + staged)
+        smem = max(smem, bm * bn * 4)
     tma = bool(config.get("TMA"))
     if tma:
         smem = max(smem, tma_smem(config, x_elt, w_elt, n_weights=1))

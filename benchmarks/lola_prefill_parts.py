@@ -1,0 +1,160 @@
+"""Where lola's time goes at prefill sizes: a diagnostic, not a kernel of fusetune.
+
+At 4096 rows, 768 -> 3072 (GPT-2's MLP up-projection) fusetune.lola took twice the cuBLAS
+GEMM alone. This script times, in one process as CUDA-graph replays (medians of do_bench, L2
+flushed), the parts and variants of the work on the same inputs:
+
+- `cublas x·Wᵀ`, `cublas linear+gelu` (F.gelu(F.linear(xn, w, b)) on normalized rows);
+- `layernorm pass`: lola's first pass alone (PASSES = 2);
+- `triton EPI=k` for tiles BM/BN/BK/warps/stages: lola's tensor-core K loop (pointer loads,
+  normalized rows) copied here, with epilogues k = 0 (the product stored as is), 1 (+ bias),
+  2 (+ bias, exact GELU through tl.erf), 3 (+ bias, exact GELU through erf_fast below);
+- `fusetune.lola CONFIG`: the kernel itself with the shipped config and a few others (both
+  passes included), with its relative error against the float32 reference;
+
+with the most registers per thread and the spills of the Triton kernels each row launched.
+
+    python -m benchmarks.lola_prefill_parts [--rows 4096 --dim 768 --out 3072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import fusetune
+from benchmarks.timing import as_graph, median_us
+from fusetune.kernels._matmul import grouped_tile
+from fusetune.kernels.lola import SPEC, layernorm_rows
+from fusetune.tuner.launches import kernel_stats, launched_kernels
+
+TILES = [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (128, 256, 32, 8, 4),
+         (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
+LOLA_CONFIGS = [  # BM, BN, BK, GM, PASSES, TMA, warps, stages
+    (128, 128, 32, 8, 2, 0, 8, 4), (128, 128, 64, 8, 2, 1, 8, 3), (128, 256, 64, 8, 2, 1, 8, 3),
+    (128, 128, 64, 8, 1, 0, 8, 3), (64, 128, 64, 8, 1, 0, 4, 4), (128, 256, 32, 8, 1, 0, 8, 3)]
+
+
+@triton.jit
+def erf_fast(x):
+    """erf(x) to 1.5e-7 (Abramowitz and Stegun 7.1.26): one reciprocal, one exponential and
+    a degree-5 polynomial, instead of libdevice's erff."""
+    ax = tl.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * ax)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
+                                                                         + t * 1.061405429))))
+    r = 1.0 - poly * tl.exp(-ax * ax)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _gemm_epilogue(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, EPI: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    w_ptrs = W + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = acc
+    if EPI >= 1:
+        y += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if EPI == 2:
+        y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+    if EPI == 3:
+        y = 0.5 * y * (1.0 + erf_fast(y * 0.7071067811865476))
+    tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
+             y.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--dim", type=int, default=768)
+    ap.add_argument("--out", type=int, default=3072)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    m, k, n = args.rows, args.dim, args.out
+    torch.manual_seed(0)
+    inputs = SPEC.make_inputs(fusetune.kernels._spec.Point.make(
+        "lola", {"dim": k, "out": n}, 1, m, "float16"), "cuda")
+    x, w, b = inputs["x"].view(m, k), inputs["weight"], inputs["bias"]
+    ref = SPEC.reference(inputs)["y"].view(m, n)
+    xn = layernorm_rows(x, 1e-5)
+    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+    floor = max((2 * m * k + m * n * 2 + n * k * 2) / 3.0e6, 2 * m * n * k / 727e6)
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
+          f"{triton.__version__}; {m} rows, {k} -> {n}, fp16; CUDA-graph replays, do_bench "
+          f"median µs (L2 flushed); floor {floor:.1f} µs")
+    print("| what | µs | relative error | registers/spills (Triton) |\n|---|---:|---:|---|")
+
+    def row(name: str, fn: Callable[[], object], result: Callable[[], torch.Tensor] | None = None
+            ) -> None:
+        """Times `fn` alone; `result` (a call whose output is checked) where given."""
+        try:
+            with launched_kernels() as kernels:
+                fn()
+            stats = kernel_stats(kernels)
+            t = median_us(as_graph(fn))
+        except Exception as e:  # a variant that fails is a row of the report
+            print(f"| {name} | {type(e).__name__}: {str(e).splitlines()[0][:80]} | | |",
+                  flush=True)
+            return
+        err = ""
+        if result is not None:
+            y = result().view(m, n)
+            err = f"{float((y.float() - ref).norm() / ref.norm()):.1e}"
+        regs = f"{stats.n_regs}/{stats.n_spills}" if stats.n_regs is not None else ""
+        print(f"| {name} | {t:.1f} | {err} | {regs} |", flush=True)
+
+    row("cublas x·Wᵀ", lambda: torch.mm(xn, w.T, out=out))
+    row("cublas linear+gelu", lambda: F.gelu(F.linear(xn, w, b)),
+        lambda: F.gelu(F.linear(xn, w, b)))
+    row("layernorm pass", lambda: layernorm_rows(x, 1e-5))
+    for bm, bn, bk, nw, st in TILES:
+        for epi in range(4):
+            def launch(epi: int = epi, t: tuple[int, ...] = (bm, bn, bk, nw, st)) -> None:
+                grid = (triton.cdiv(m, t[0]) * triton.cdiv(n, t[1]),)
+                _gemm_epilogue[grid](xn, w, b, out, m, n, k, xn.stride(0), w.stride(0),
+                                     out.stride(0), BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2],
+                                     GROUP_M=8, EPI=epi, num_warps=t[3], num_stages=t[4])
+            def result(launch: Callable[[], None] = launch) -> torch.Tensor:
+                launch()
+                return out
+            row(f"triton EPI={epi} {bm}/{bn}/{bk}/{nw}/{st}", launch,
+                result if epi >= 2 else None)
+    shipped = fusetune.lookup("lola", {"dim": k, "out": n}, "float16", rows=m)
+    configs = [shipped] + [
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "PASSES": p, "SPLIT_K": 1,
+         "ACT_FP8": 0, "UNROLL_K": 0, "TMA": tma, "num_warps": nw, "num_stages": st}
+        for bm, bn, bk, gm, p, tma, nw, st in LOLA_CONFIGS]
+    for i, cfg in enumerate(configs):
+        name = "/".join(str(cfg[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
+                                                  "PASSES", "TMA", "num_warps", "num_stages"))
+        row(f"fusetune.lola {'shipped ' if i == 0 else ''}{name}",
+            lambda c=cfg: fusetune.lola(x, w, b, config=c),
+            lambda c=cfg: fusetune.lola(x, w, b, config=c))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
