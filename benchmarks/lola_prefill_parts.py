@@ -5,10 +5,12 @@ GEMM alone. This script times, in one process as CUDA-graph replays (medians of 
 flushed), the parts and variants of the work on the same inputs:
 
 - `cublas x·Wᵀ`, `cublas linear+gelu` (F.gelu(F.linear(xn, w, b)) on normalized rows);
-- `layernorm pass`: lola's first pass alone (PASSES = 2);
+- `layernorm pass`: lola's first pass alone (PASSES = 2), as lola launches it and with other
+  rows per program and warps;
 - `triton EPI=k` for tiles BM/BN/BK/warps/stages: lola's tensor-core K loop (pointer loads,
   normalized rows) copied here, with epilogues k = 0 (the product stored as is), 1 (+ bias),
-  2 (+ bias, exact GELU through tl.erf), 3 (+ bias, exact GELU through erf_fast below);
+  2 (+ bias, exact GELU through tl.erf), 3 (+ bias, exact GELU through erf_fast below), and
+  EPI 2 with at most 128 registers a thread for the 8-warp tiles;
 - `fusetune.lola CONFIG`: the kernel itself with the shipped config and a few others (both
   passes included), with its relative error against the float32 reference;
 
@@ -31,14 +33,17 @@ import triton.language as tl
 import fusetune
 from benchmarks.timing import as_graph, median_us
 from fusetune.kernels._matmul import grouped_tile
-from fusetune.kernels.lola import SPEC, layernorm_rows
+from fusetune.kernels._spec import next_pow2
+from fusetune.kernels.lola import SPEC, _layernorm_kernel, layernorm_rows
 from fusetune.tuner.launches import kernel_stats, launched_kernels
 
 TILES = [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (128, 256, 32, 8, 4),
          (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
+LN_VARIANTS = [(1, 4), (1, 8), (1, 16), (2, 8), (4, 8), (4, 16), (8, 16)]  # ROWS, num_warps
 LOLA_CONFIGS = [  # BM, BN, BK, GM, PASSES, TMA, warps, stages
     (128, 128, 32, 8, 2, 0, 8, 4), (128, 128, 64, 8, 2, 1, 8, 3), (128, 256, 64, 8, 2, 1, 8, 3),
-    (128, 128, 64, 8, 1, 0, 8, 3), (64, 128, 64, 8, 1, 0, 4, 4), (128, 256, 32, 8, 1, 0, 8, 3)]
+    (128, 128, 32, 8, 2, 1, 8, 4), (64, 128, 64, 8, 2, 1, 4, 4), (128, 64, 64, 8, 2, 1, 4, 4),
+    (128, 128, 64, 8, 1, 0, 8, 3), (128, 256, 32, 8, 1, 0, 8, 3)]
 
 
 @triton.jit
@@ -130,6 +135,13 @@ def main() -> int:
     row("cublas linear+gelu", lambda: F.gelu(F.linear(xn, w, b)),
         lambda: F.gelu(F.linear(xn, w, b)))
     row("layernorm pass", lambda: layernorm_rows(x, 1e-5))
+    block = next_pow2(k)
+    for rows, warps in LN_VARIANTS:
+        if block > 16384 or rows * block > 16384:
+            continue
+        row(f"layernorm pass ROWS={rows} warps={warps}", lambda r=rows, nw=warps: _layernorm_kernel[
+            (triton.cdiv(m, r),)](x, xn, m, k, x.stride(0), 1e-5, BLOCK_K=block, ROWS=r,
+                                  SINGLE_PASS=True, num_warps=nw))
     for bm, bn, bk, nw, st in TILES:
         for epi in range(4):
             def launch(epi: int = epi, t: tuple[int, ...] = (bm, bn, bk, nw, st)) -> None:
@@ -142,6 +154,14 @@ def main() -> int:
                 return out
             row(f"triton EPI={epi} {bm}/{bn}/{bk}/{nw}/{st}", launch,
                 result if epi >= 2 else None)
+        if nw == 8:  # the GELU epilogue within 128 registers (two programs per SM)
+            def capped(t: tuple[int, ...] = (bm, bn, bk, nw, st)) -> None:
+                grid = (triton.cdiv(m, t[0]) * triton.cdiv(n, t[1]),)
+                _gemm_epilogue[grid](xn, w, b, out, m, n, k, xn.stride(0), w.stride(0),
+                                     out.stride(0), BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2],
+                                     GROUP_M=8, EPI=2, num_warps=t[3], num_stages=t[4],
+                                     maxnreg=128)
+            row(f"triton EPI=2 {bm}/{bn}/{bk}/{nw}/{st} maxnreg=128", capped)
     shipped = fusetune.lookup("lola", {"dim": k, "out": n}, "float16", rows=m)
     configs = [shipped] + [
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "PASSES": p, "SPLIT_K": 1,

@@ -35,6 +35,9 @@ MATMUL_FLAGS = {"ACT_FP8": 0, "UNROLL_K": 0, "TMA": 0}
 TMA_MAX_BOX = 256
 MATMUL_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
 MATMUL_TOLERANCE = {"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
+# The default heuristic's shortest K for TMA tiles (the shortest product measured faster with
+# them; see default_tiles).
+TMA_MIN_K = 768
 
 
 @triton.jit
@@ -405,12 +408,14 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
     fp8_mma = bool(point.weights) and gpu.fp8_tensor_cores and c["PASSES"] == 2
     c["ACT_FP8"] = int(fp8_mma)
     c["UNROLL_K"] = 0
-    # Tiles through TMA descriptors for long products at many rows, 16-bit weights: on the
-    # H100 at 4096 rows and K = 4096 this tile took 1202 / 809 / 1123 µs with TMA against
-    # 1347 / 939 / 1290 by pointers (ffn, qkv, lola 4096 -> 16384); at 512 rows (ffn) and with
-    # K = 768 (lola) TMA was 59-65% slower, with FP8 by FP8 within ±5% (benchmarks/grid_spaces/
-    # *_tma.yaml grids, BENCHMARKS.md). Where the structure has no TMA loop, canonical drops it.
-    c["TMA"] = int(gpu.tma and m >= 2048 and k >= 2048 and not point.weights)
+    # Tiles through TMA descriptors at many rows, 16-bit weights: on the H100 at 4096 rows
+    # this tile took 1202 / 809 / 1099 µs with TMA against 1347 / 939 / 1282 by pointers (ffn,
+    # qkv, lola 4096 -> 16384; K = 4096), and 61.5 against 70.6 µs for lola 768 -> 3072 (K =
+    # 768; grids timed as CUDA-graph replays: an earlier plain-launch grid, which also timed
+    # the descriptors' host-side cost, had TMA slower there); at 512 rows (ffn) TMA was 59-65%
+    # slower, with FP8 by FP8 within ±5% (benchmarks/grid_spaces/*_tma.yaml grids,
+    # BENCHMARKS.md). Where the structure has no TMA loop, canonical drops it.
+    c["TMA"] = int(gpu.tma and m >= 2048 and k >= TMA_MIN_K and not point.weights)
     if m == 1:
         # A GEMV streams the weights once: split K until there are about four programs per SM,
         # so that every SM keeps loads in flight to the end.

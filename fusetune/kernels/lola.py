@@ -179,21 +179,61 @@ def _lola_kernel(
 def _layernorm_kernel(
     X,  # *[M, K] input, row stride stride_xm, unit column stride
     Y,  # *[M, K] output (contiguous), x's dtype
+    M,
     K,
     stride_xm,
     eps,
-    BLOCK_K: tl.constexpr,  # columns per step; K is covered in ceil(K / BLOCK_K) steps
+    BLOCK_K: tl.constexpr,  # columns per step: >= K in one pass (SINGLE_PASS), else a loop
+    ROWS: tl.constexpr,  # rows per program (1 when looping)
+    SINGLE_PASS: tl.constexpr,  # BLOCK_K >= K: the rows are read once and held in registers
 ):
-    # One row per program: mean and variance in float32 (two passes over the row, the second
-    # from cache), then (x - mean) * rstd rounded to x's dtype, as torch's layer_norm returns.
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_xm
-    y_row = Y + row * K
-    rk = tl.arange(0, BLOCK_K)
-    mean, rstd = row_norm_stats(x_row, K, eps, 0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        tl.store(y_row + k0 + rk, ((x - mean) * rstd).to(Y.dtype.element_ty), mask=k0 + rk < K)
+    # Program `pid` owns rows [pid*ROWS, pid*ROWS + ROWS); rows past M are masked off. Mean and
+    # variance in float32, then (x - mean) * rstd rounded to x's dtype, as torch's layer_norm.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
+    if SINGLE_PASS:
+        cols = tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols < K)[None, :]  # BLOCK_K is a power of two >= K
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / K  # masked lanes read 0: they add nothing
+        d = tl.where(mask, x - mean[:, None], 0.0)  # ... and must not add mean² here
+        rstd = tl.rsqrt(tl.sum(d * d, axis=1) / K + eps)
+        tl.store(Y + rows[:, None].to(tl.int64) * K + cols[None, :],
+                 (d * rstd[:, None]).to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Rows wider than a register tile: statistics over the row (two passes, the second
+        # from cache), then a third pass writes; one row per program.
+        row = tl.program_id(0).to(tl.int64)
+        x_row = X + row * stride_xm
+        y_row = Y + row * K
+        rk = tl.arange(0, BLOCK_K)
+        mean, rstd = row_norm_stats(x_row, K, eps, 0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            tl.store(y_row + k0 + rk, ((x - mean) * rstd).to(Y.dtype.element_ty),
+                     mask=k0 + rk < K)
+
+
+# The first pass of PASSES = 2 reads x once and writes it once, like RMSNorm: whole rows in
+# registers up to 16K columns (rmsnorm's default heuristic), several rows per program for
+# narrow rows, 16 elements a thread. On the H100 at 4096 rows (CUDA-graph replays,
+# benchmarks/lola_prefill_parts.py): 4096 columns 28.1 µs with 8 warps a row (27.9-29.6 with
+# 4-16 warps, 1-4 rows; 32.9 for the earlier loop that read each row three times); 768
+# columns 9.8-10.4 µs with 1-8 rows and 4-16 warps (10.9 before).
+LAYERNORM_PASS_ELEMENTS = 2048  # elements a program holds at least (rows of narrow inputs)
+LAYERNORM_THREAD_ELEMENTS = 16
+LAYERNORM_SINGLE_PASS_MAX = 16384
+
+
+def layernorm_pass_launch(k: int) -> tuple[int, int, int]:
+    """(BLOCK_K, ROWS, num_warps) of the LayerNorm pass over rows of k elements."""
+    block = next_pow2(k)
+    if block > LAYERNORM_SINGLE_PASS_MAX:
+        return 8192, 1, 16
+    rows = max(1, min(16, LAYERNORM_PASS_ELEMENTS // block))
+    warps = rows * block // (32 * LAYERNORM_THREAD_ELEMENTS)
+    return block, rows, max(1, min(16, warps))
 
 
 def layernorm_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -201,9 +241,12 @@ def layernorm_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
     lola's two passes when PASSES = 2."""
     m, k = x.shape
     y = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    block = min(next_pow2(k), 8192)
-    _layernorm_kernel[(m,)](x, y, k, x.stride(0), eps, BLOCK_K=block,
-                            num_warps=max(1, min(16, block // 256)))
+    if m == 0:
+        return y
+    block, rows, warps = layernorm_pass_launch(k)
+    _layernorm_kernel[(triton.cdiv(m, rows),)](x, y, m, k, x.stride(0), eps, BLOCK_K=block,
+                                                ROWS=rows, SINGLE_PASS=block >= k,
+                                                num_warps=warps)
     return y
 
 

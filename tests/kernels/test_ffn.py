@@ -253,14 +253,16 @@ def test_tma_only_where_descriptors_can_feed_the_tensor_cores() -> None:
     why = check_fits(res, gpus.resolve("a100"))
     assert why is not None and why.startswith("tma: TMA=1 needs TMA descriptors"), why
     assert SPEC.validate_config({k: v for k, v in tile.items() if k != "TMA"})["TMA"] == 0
-    # The default heuristic takes TMA for long products at many rows with 16-bit weights, on
-    # GPUs that have it.
+    # The default heuristic takes TMA at many rows with 16-bit weights and K of at least 768,
+    # on GPUs that have it.
     h100, a100 = gpus.resolve("h100"), gpus.resolve("a100")
     assert SPEC.default_config(p, h100)["TMA"] == 1
     assert SPEC.default_config(p, a100)["TMA"] == 0
     assert SPEC.default_config(point(512), h100)["TMA"] == 0
     assert SPEC.default_config(fp8_point, h100)["TMA"] == 0
-    short = Point.make("ffn", {"dim": 768, "hidden": 3072}, 1, 4096, "float16")
+    gpt2 = Point.make("ffn", {"dim": 768, "hidden": 3072}, 1, 4096, "float16")
+    assert SPEC.default_config(gpt2, h100)["TMA"] == 1
+    short = Point.make("ffn", {"dim": 512, "hidden": 3072}, 1, 4096, "float16")
     assert SPEC.default_config(short, h100)["TMA"] == 0
 
 

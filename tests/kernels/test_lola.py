@@ -102,6 +102,24 @@ def test_mean_offset_eps_and_leading_shape() -> None:
     check(torch.cat([x, x], dim=1)[:, :64], w, b)  # strided rows
 
 
+@pytest.mark.parametrize(("m", "k"), [(37, 96), (5, 768), (3, 3000), (2, 16385)])
+def test_layernorm_pass(m: int, k: int) -> None:
+    # PASSES = 2's first pass on its own: several rows per program with a partial last block
+    # (37 rows of 96), one row per program (3000), the looping path past 16K columns (16385);
+    # strided input rows; a large common offset that must cancel.
+    block, rows, _ = lola_mod.layernorm_pass_launch(k)
+    assert (block >= k) == (k <= lola_mod.LAYERNORM_SINGLE_PASS_MAX)
+    assert rows == 1 or block >= k
+    x = make(m, 2 * k, 1, torch.float32)[0][:, :k] + 30.0
+    for dtype in (torch.float32, torch.float16):
+        xt = x.to(dtype)
+        y = lola_mod.layernorm_rows(xt, 1e-5)
+        ref = torch.nn.functional.layer_norm(xt.double(), (k,), eps=1e-5)
+        assert y.dtype == dtype and y.shape == (m, k)
+        assert float((y.double() - ref).abs().max()) <= (2e-5 if dtype == torch.float32
+                                                         else 4e-3)
+
+
 def test_bad_inputs() -> None:
     x, w, b = make(2, 64, 32, torch.float16)
     with pytest.raises(ValueError, match=r"nn\.Linear layout"):
