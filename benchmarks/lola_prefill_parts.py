@@ -11,6 +11,9 @@ flushed), the parts and variants of the work on the same inputs:
   normalized rows) copied here, with epilogues k = 0 (the product stored as is), 1 (+ bias),
   2 (+ bias, exact GELU through tl.erf), 3 (+ bias, exact GELU through erf_fast below), and
   EPI 2 with at most 128 registers a thread for the 8-warp tiles;
+- `persistent TMA EPI=k`: the same product through TMA descriptors by one or two programs
+  per SM walking the tiles, with the tile loop flattened (the next tile's loads pipelined
+  under this one's epilogue) or not, epilogues 0 and 2;
 - `fusetune.lola CONFIG`: the kernel itself with the shipped config and a few others (both
   passes included), with its relative error against the float32 reference;
 
@@ -22,6 +25,7 @@ with the most registers per thread and the spills of the Triton kernels each row
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Callable
 
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import fusetune
 from benchmarks.timing import as_graph, median_us
@@ -39,6 +44,7 @@ from fusetune.tuner.launches import kernel_stats, launched_kernels
 
 TILES = [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (128, 256, 32, 8, 4),
          (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
+PERSISTENT_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3)]
 LN_VARIANTS = [(1, 4), (1, 8), (1, 16), (2, 8), (4, 8), (4, 16), (8, 16)]  # ROWS, num_warps
 LOLA_CONFIGS = [  # BM, BN, BK, GM, PASSES, TMA, warps, stages
     (128, 128, 32, 8, 2, 0, 8, 4), (128, 128, 64, 8, 2, 1, 8, 3), (128, 256, 64, 8, 2, 1, 8, 3),
@@ -89,11 +95,42 @@ def _gemm_epilogue(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
              y.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _gemm_persistent(XD, WD, B, OUT, M, N, K, stride_om, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     NUM_PROGS: tl.constexpr, FLATTEN: tl.constexpr, EPI: tl.constexpr):
+    # The same product through TMA descriptors (XD over xn [M, K], WD over W [N, K]), one
+    # program per SM (or a few) walking the tiles p, p + NUM_PROGS, ... in grouped order;
+    # FLATTEN lets the compiler pipeline the next tile's loads under this tile's epilogue.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS, flatten=FLATTEN):
+        first_m = (tile // in_group) * GROUP_M
+        group_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % group_m
+        pid_n = (tile % in_group) // group_m
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(XD.load([pid_m * BLOCK_M, k0]), WD.load([pid_n * BLOCK_N, k0]).T, acc)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = acc
+        if EPI >= 1:
+            y += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if EPI == 2:
+            y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+        tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
+                 y.to(OUT.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--out", type=int, default=3072)
+    ap.add_argument("--only", default="", help="comma-separated row kinds: cublas, layernorm, "
+                    "triton, persistent, lola (default: all)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -112,9 +149,13 @@ def main() -> int:
           f"median µs (L2 flushed); floor {floor:.1f} µs")
     print("| what | µs | relative error | registers/spills (Triton) |\n|---|---:|---:|---|")
 
+    only = set(filter(None, args.only.split(",")))
+
     def row(name: str, fn: Callable[[], object], result: Callable[[], torch.Tensor] | None = None
             ) -> None:
         """Times `fn` alone; `result` (a call whose output is checked) where given."""
+        if only and name.split()[0].removeprefix("fusetune.") not in only:
+            return
         try:
             with launched_kernels() as kernels:
                 fn()
@@ -162,6 +203,26 @@ def main() -> int:
                                      GROUP_M=8, EPI=2, num_warps=t[3], num_stages=t[4],
                                      maxnreg=128)
             row(f"triton EPI=2 {bm}/{bn}/{bk}/{nw}/{st} maxnreg=128", capped)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for (bm, bn, bk, nw, st), per_sm, flatten, epi in itertools.product(
+            PERSISTENT_TILES, (1, 2), (0, 1), (0, 2)):
+        xd = TensorDescriptor.from_tensor(xn, [bm, bk])
+        wd = TensorDescriptor.from_tensor(w, [bn, bk])
+        progs = min(per_sm * sms, triton.cdiv(m, bm) * triton.cdiv(n, bn))
+
+        def persistent(t: tuple[int, ...] = (bm, bn, bk, nw, st), progs: int = progs,
+                       flatten: int = flatten, epi: int = epi, xd: object = xd,
+                       wd: object = wd) -> None:
+            _gemm_persistent[(progs,)](xd, wd, b, out, m, n, k, out.stride(0), BLOCK_M=t[0],
+                                       BLOCK_N=t[1], BLOCK_K=t[2], GROUP_M=8, NUM_PROGS=progs,
+                                       FLATTEN=flatten, EPI=epi, num_warps=t[3],
+                                       num_stages=t[4])
+
+        def result(persistent: Callable[[], None] = persistent) -> torch.Tensor:
+            persistent()
+            return out
+        row(f"persistent TMA EPI={epi} {bm}/{bn}/{bk}/{nw}/{st}, {per_sm}/SM, flatten "
+            f"{flatten}", persistent, result if epi == 2 else None)
     shipped = fusetune.lookup("lola", {"dim": k, "out": n}, "float16", rows=m)
     configs = [shipped] + [
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "PASSES": p, "SPLIT_K": 1,

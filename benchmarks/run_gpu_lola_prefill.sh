@@ -5,16 +5,29 @@
 # tuner times the GPT-2 point as CUDA-graph replays, its floor being under 150 µs); their
 # winners exported; benchmarks/bench_lola.py on them beside eager, torch.compile, Liger and the
 # cuBLAS GEMM alone (graph replays). Everything lands in $OUT/lola_prefill.tgz (gpu_steps.sh).
-#   source .whl/setup.sh && bash benchmarks/run_gpu_lola_prefill.sh
+# GRIDS=0: no grids, bench_lola on the shipped tables (graph replays, then plain calls);
+# PARTS_ONLY=kinds: lola_prefill_parts.py's --only; TESTS: test files of the GPU tests.
+#   source .whl/setup.sh && [GRIDS=0] bash benchmarks/run_gpu_lola_prefill.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_steps.sh" lola_prefill
 gpu=$(python3 -c "import torch; from fusetune.tables import gpu_for_device; \
 print(gpu_for_device(torch.device('cuda')).name)")
 db=sqlite:///$work/lola_prefill_grid.db
 STEP_TAIL=5 step pytest_gpu_lola 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
-  tests/kernels/test_lola.py
-STEP_TAIL=70 step parts_gpt2 150 python3 -m benchmarks.lola_prefill_parts
-STEP_TAIL=70 step parts_16384 150 python3 -m benchmarks.lola_prefill_parts --dim 4096 --out 16384
+  ${TESTS:-tests/kernels/test_lola.py}
+only=${PARTS_ONLY:+--only $PARTS_ONLY}
+STEP_TAIL=70 step parts_gpt2 150 python3 -m benchmarks.lola_prefill_parts $only
+STEP_TAIL=70 step parts_16384 150 python3 -m benchmarks.lola_prefill_parts --dim 4096 \
+  --out 16384 $only
+if [ "${GRIDS:-1}" = 0 ]; then
+  for mode in graph plain; do
+    STEP_TAIL=12 step "bench_lola_shipped_$mode" 200 python3 -m benchmarks.bench_lola \
+      --shapes 4096:768:3072,4096:4096:16384,1:4096:16384 --rounds 3 \
+      $([ $mode = plain ] && echo --no-graph) --markdown "$work/lola_bench_shipped_$mode.md" \
+      --json "$work/lola_bench_shipped_$mode.json"
+  done
+  exit 0
+fi
 grid() {  # NAME ARGS...: one point's exhaustive grid of lola's TMA sub-space at 4096 rows
   local name=$1; shift
   STEP_TAIL=30 step "grid_$name" 240 python3 -m fusetune.cli evaluate-search --kernel lola \
