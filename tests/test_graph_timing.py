@@ -39,11 +39,17 @@ def test_launch_that_cannot_be_captured_runs_plain() -> None:
         x.add_(1)
         float(x.sum())  # a host read: not allowed while capturing
 
+    torch.manual_seed(0)
+    expected = torch.randn(3, device="cuda")
+    torch.manual_seed(0)
     replay = captured_launch(launch)
     assert replay is launch
     replay()
     torch.cuda.synchronize()
     assert float(x[0]) >= 1
+    # The failed capture left the GPU's random generator usable, in its state: a failed capture
+    # leaves it in capture mode, and the next randn on the device raised.
+    torch.testing.assert_close(torch.randn(3, device="cuda"), expected)
 
 
 def test_which_points_are_timed_as_graphs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ import functools
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -105,8 +106,22 @@ def captured_launch(fn: Callable[[], None]) -> Callable[[], None]:
             fn()
     except Exception:  # a launch path that synchronizes or queries the GPU: plain launches
         torch.cuda.synchronize()
+        _end_rng_capture()
         return fn
     return functools.partial(_replay, graph, fn)
+
+
+def _end_rng_capture() -> None:
+    """Takes the CUDA random generators out of graph-capture mode after a capture that failed.
+
+    A capture that fails leaves them in it (torch 2.11): the process's next torch.randn on the
+    GPU, the next point's inputs for instance, raises "Offset increment outside graph capture
+    encountered unexpectedly". An empty capture, which ends normally, restores them (the
+    seed and offset are kept)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            pass
 
 
 def _replay(graph: torch.cuda.CUDAGraph, launch: Callable[[], None]) -> None:
