@@ -14,6 +14,8 @@ flushed), the parts and variants of the work on the same inputs:
 - `persistent TMA EPI=k`: the same product through TMA descriptors by one or two programs
   per SM walking the tiles, with the tile loop flattened (the next tile's loads pipelined
   under this one's epilogue) or not, epilogues 0 and 2;
+- `ws …`: those programs with the GELU epilogue, the tile loop warp-specialized or not, the
+  epilogue in two column halves or not, descriptors made on the host or in the kernel;
 - `fusetune.lola CONFIG`: the kernel itself with the shipped config and a few others (both
   passes included), with its relative error against the float32 reference;
 
@@ -45,6 +47,7 @@ from fusetune.tuner.launches import kernel_stats, launched_kernels
 TILES = [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (128, 256, 32, 8, 4),
          (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
 PERSISTENT_TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3)]
+WS_TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4)]
 LN_VARIANTS = [(1, 4), (1, 8), (1, 16), (2, 8), (4, 8), (4, 16), (8, 16)]  # ROWS, num_warps
 LOLA_CONFIGS = [  # BM, BN, BK, GM, PASSES, TMA, warps, stages
     (128, 128, 32, 8, 2, 0, 8, 4), (128, 128, 64, 8, 2, 1, 8, 3), (128, 256, 64, 8, 2, 1, 8, 3),
@@ -124,13 +127,67 @@ def _gemm_persistent(XD, WD, B, OUT, M, N, K, stride_om, BLOCK_M: tl.constexpr,
                  y.to(OUT.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
+@triton.jit
+def _gelu_bias_store(acc, B, OUT, rm, rn, M, N, stride_om):
+    y = acc + tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+    tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
+             y.to(OUT.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _gemm_ws(XD, WD, X, W, B, OUT, M, N, K, stride_om, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+             NUM_PROGS: tl.constexpr, WS: tl.constexpr, SUBTILE: tl.constexpr,
+             DEVICE_DESC: tl.constexpr):
+    # _gemm_persistent with the loop flattened, bias + exact GELU, and: WS, the tile loop
+    # warp-specialized (tl.range(warp_specialize=True)); SUBTILE, the epilogue in two halves of
+    # BLOCK_N / 2 columns; DEVICE_DESC, descriptors made in the kernel (tl.make_tensor_descriptor)
+    # instead of on the host. The epilogue's tile comes from a counter of its own, as in
+    # Triton's persistent matmul tutorial.
+    if DEVICE_DESC:
+        xd = tl.make_tensor_descriptor(X, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+        wd = tl.make_tensor_descriptor(W, shape=[N, K], strides=[K, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        xd = XD
+        wd = WD
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    out_tile = tl.program_id(0) - NUM_PROGS
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS, flatten=True,
+                         warp_specialize=WS):
+        first_m = (tile // in_group) * GROUP_M
+        group_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % group_m
+        pid_n = (tile % in_group) // group_m
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(xd.load([pid_m * BLOCK_M, k0]), wd.load([pid_n * BLOCK_N, k0]).T, acc)
+        out_tile += NUM_PROGS
+        first_m = (out_tile // in_group) * GROUP_M
+        group_m = min(num_pid_m - first_m, GROUP_M)
+        rm = (first_m + (out_tile % in_group) % group_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n0 = ((out_tile % in_group) // group_m) * BLOCK_N
+        if SUBTILE:
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            acc0, acc1 = tl.split(halves)
+            _gelu_bias_store(acc0, B, OUT, rm, n0 + tl.arange(0, BLOCK_N // 2), M, N, stride_om)
+            _gelu_bias_store(acc1, B, OUT, rm, n0 + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2),
+                             M, N, stride_om)
+        else:
+            _gelu_bias_store(acc, B, OUT, rm, n0 + tl.arange(0, BLOCK_N), M, N, stride_om)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--out", type=int, default=3072)
     ap.add_argument("--only", default="", help="comma-separated row kinds: cublas, layernorm, "
-                    "triton, persistent, lola (default: all)")
+                    "triton, persistent, ws, lola (default: all)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -223,6 +280,27 @@ def main() -> int:
             return out
         row(f"persistent TMA EPI={epi} {bm}/{bn}/{bk}/{nw}/{st}, {per_sm}/SM, flatten "
             f"{flatten}", persistent, result if epi == 2 else None)
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cuda"))
+    for (bm, bn, bk, nw, st), ws, subtile, device_desc in itertools.product(
+            WS_TILES, (0, 1), (0, 1), (0, 1)):
+        xd = TensorDescriptor.from_tensor(xn, [bm, bk])
+        wd = TensorDescriptor.from_tensor(w, [bn, bk])
+        progs = min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn))
+
+        def specialized(t: tuple[int, ...] = (bm, bn, bk, nw, st), progs: int = progs,
+                        flags: tuple[int, ...] = (ws, subtile, device_desc), xd: object = xd,
+                        wd: object = wd) -> None:
+            _gemm_ws[(progs,)](xd, wd, xn, w, b, out, m, n, k, out.stride(0), BLOCK_M=t[0],
+                               BLOCK_N=t[1], BLOCK_K=t[2], GROUP_M=8, NUM_PROGS=progs,
+                               WS=flags[0], SUBTILE=flags[1], DEVICE_DESC=flags[2],
+                               num_warps=t[3], num_stages=t[4])
+
+        def result(specialized: Callable[[], None] = specialized) -> torch.Tensor:
+            specialized()
+            return out
+        row(f"ws {bm}/{bn}/{bk}/{nw}/{st}, 1/SM, flattened, GELU; warp_specialize {ws}, "
+            f"epilogue halves {subtile}, device descriptors {device_desc}", specialized, result)
     shipped = fusetune.lookup("lola", {"dim": k, "out": n}, "float16", rows=m)
     configs = [shipped] + [
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "PASSES": p, "SPLIT_K": 1,
