@@ -41,21 +41,30 @@ VARIANTS = ("as-is", "dot-first", "reload", "reload x", "reload w")
 
 
 @triton.jit
-def _folded(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om, eps,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            GROUP_M: tl.constexpr, VARIANT: tl.constexpr):
+def tile_pointers(X, W, M, N, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """lola's tensor-core tile set-up: this program's rows and columns, their masks, and the
+    pointers of its first x tile [BLOCK_M, BLOCK_K] and weight tile read transposed
+    [BLOCK_K, BLOCK_N]."""
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    w_ptrs = W + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    return rm, rn, rm < M, rn < N, rk, x_ptrs, w_ptrs
+
+
+@triton.jit
+def _folded(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om, eps,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            GROUP_M: tl.constexpr, VARIANT: tl.constexpr):
+    rm, rn, m_ok, n_ok, rk, x_ptrs, w_ptrs = tile_pointers(X, W, M, N, stride_xm, stride_wn,
+                                                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sum_x = tl.zeros([BLOCK_M], dtype=tl.float32)
     sum_x2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     sum_w = tl.zeros([BLOCK_N], dtype=tl.float32)
-    rk = tl.arange(0, BLOCK_K)
-    x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_ptrs = W + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -88,11 +97,17 @@ def _folded(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om, eps,
              y.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def shape_parser(doc: str) -> argparse.ArgumentParser:
+    """The lola diagnostics' command line: rows, dim -> out (GPT-2's MLP at 4096 rows)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--out", type=int, default=3072)
+    return ap
+
+
+def main() -> int:
+    ap = shape_parser(__doc__)
     ap.add_argument("--configs", default="",
                     help="BM,BN,BK,GM,warps,stages;... (default: the stored grid's cases)")
     args = ap.parse_args()

@@ -26,7 +26,6 @@ with the most registers per thread and the spills of the Triton kernels each row
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from collections.abc import Callable
@@ -38,8 +37,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import fusetune
+from benchmarks.lola_fold_check import shape_parser, tile_pointers
+from benchmarks.persistent_tma import _tile
 from benchmarks.timing import as_graph, median_us
-from fusetune.kernels._matmul import grouped_tile
 from fusetune.kernels._spec import next_pow2
 from fusetune.kernels.lola import SPEC, _layernorm_kernel, layernorm_rows
 from fusetune.tuner.launches import kernel_stats, launched_kernels
@@ -71,14 +71,8 @@ def erf_fast(x):
 def _gemm_epilogue(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, EPI: tl.constexpr):
-    pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
-    rk = tl.arange(0, BLOCK_K)
-    x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_ptrs = W + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    rm, rn, m_ok, n_ok, rk, x_ptrs, w_ptrs = tile_pointers(X, W, M, N, stride_xm, stride_wn,
+                                                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0
@@ -107,12 +101,8 @@ def _gemm_persistent(XD, WD, B, OUT, M, N, K, stride_om, BLOCK_M: tl.constexpr,
     # FLATTEN lets the compiler pipeline the next tile's loads under this tile's epilogue.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS, flatten=FLATTEN):
-        first_m = (tile // in_group) * GROUP_M
-        group_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % group_m
-        pid_n = (tile % in_group) // group_m
+        pid_m, pid_n = _tile(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc = tl.dot(XD.load([pid_m * BLOCK_M, k0]), WD.load([pid_n * BLOCK_N, k0]).T, acc)
@@ -155,22 +145,17 @@ def _gemm_ws(XD, WD, X, W, B, OUT, M, N, K, stride_om, BLOCK_M: tl.constexpr,
         wd = WD
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
     out_tile = tl.program_id(0) - NUM_PROGS
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS, flatten=True,
                          warp_specialize=WS):
-        first_m = (tile // in_group) * GROUP_M
-        group_m = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % group_m
-        pid_n = (tile % in_group) // group_m
+        pid_m, pid_n = _tile(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc = tl.dot(xd.load([pid_m * BLOCK_M, k0]), wd.load([pid_n * BLOCK_N, k0]).T, acc)
         out_tile += NUM_PROGS
-        first_m = (out_tile // in_group) * GROUP_M
-        group_m = min(num_pid_m - first_m, GROUP_M)
-        rm = (first_m + (out_tile % in_group) % group_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n0 = ((out_tile % in_group) // group_m) * BLOCK_N
+        out_m, out_n = _tile(out_tile, num_pid_m, num_pid_n, GROUP_M)
+        rm = out_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n0 = out_n * BLOCK_N
         if SUBTILE:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             acc0, acc1 = tl.split(halves)
@@ -182,10 +167,7 @@ def _gemm_ws(XD, WD, X, W, B, OUT, M, N, K, stride_om, BLOCK_M: tl.constexpr,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=4096)
-    ap.add_argument("--dim", type=int, default=768)
-    ap.add_argument("--out", type=int, default=3072)
+    ap = shape_parser(__doc__)
     ap.add_argument("--only", default="", help="comma-separated row kinds: cublas, layernorm, "
                     "triton, persistent, ws, lola (default: all)")
     args = ap.parse_args()
