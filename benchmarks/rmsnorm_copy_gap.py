@@ -7,7 +7,9 @@ the copy `y.copy_(x)`:
 - the kernel with the tuned config writing into the copy's own output, and into another buffer;
 - a copy into a freshly allocated output (`x.clone()`), as the tuned call allocates its own;
 - a one-row-per-program variant of the kernel with each combination of a load eviction hint
-  (none, evict_first) and a store cache modifier (none, .cs, .wt, .cg).
+  (none, evict_first) and a store cache modifier (none, .cs, .wt, .cg);
+- persistent variants: 1-8 programs per SM walking the rows, the next row's load pipelined
+  (2 stages) or not.
 
     python -m benchmarks.rmsnorm_copy_gap [--rows 4096] [--rounds 3] [--graph] [--liger]
 
@@ -49,6 +51,22 @@ def _hinted_rmsnorm(X, W, Y, D, stride_xm, stride_ym, eps, BLOCK_D: tl.constexpr
              cache_modifier=STORE)
 
 
+@triton.jit
+def _persistent_rmsnorm(X, W, Y, M, D, stride_xm, stride_ym, eps, BLOCK_D: tl.constexpr,
+                        PROGS: tl.constexpr, STAGES: tl.constexpr):
+    # PROGS programs walk the rows p, p + PROGS, ... (BLOCK_D >= D); the weight is read once
+    # per program; STAGES > 1 lets the compiler load the next row while this one is reduced.
+    cols = tl.arange(0, BLOCK_D)
+    ok = cols < D
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    first = tl.program_id(0).to(tl.int64)
+    for i in tl.range(0, tl.cdiv(M - first, PROGS), num_stages=STAGES):
+        r = first + i * PROGS
+        x = tl.load(X + r * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        tl.store(Y + r * stride_ym + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=ok)
+
+
 def add_variants(case: dict[str, object]) -> None:
     """Adds the diagnostic's callables to a bench_rmsnorm case (same x, w and copy output)."""
     fns: dict[str, Callable[[], object] | None] = case["fns"]  # type: ignore[assignment]
@@ -66,6 +84,14 @@ def add_variants(case: dict[str, object]) -> None:
                 _hinted_rmsnorm[(m,)](x, w, other, d, x.stride(0), other.stride(0), 1e-6,
                                       BLOCK_D=block_d, LOAD=load, STORE=store, num_warps=8)
             fns[f"one row, load {load or '-'}, store {store or '-'}"] = run
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    for per_sm, warps, stages in ((1, 8, 1), (2, 8, 1), (4, 8, 1), (8, 4, 1), (2, 8, 2),
+                                  (4, 8, 2), (8, 4, 2)):
+        def persistent(p: int = min(m, per_sm * sms), nw: int = warps, st: int = stages
+                       ) -> None:
+            _persistent_rmsnorm[(p,)](x, w, other, m, d, x.stride(0), other.stride(0), 1e-6,
+                                      BLOCK_D=block_d, PROGS=p, STAGES=st, num_warps=nw)
+        fns[f"persistent, {per_sm}/SM, {warps} warps, {stages} stages"] = persistent
 
 
 def main(argv: list[str] | None = None) -> int:
