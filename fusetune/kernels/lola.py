@@ -135,7 +135,7 @@ def _lola_kernel(
                 # The sums come from a second load of the same tiles (L2 hits), not from the
                 # tiles tl.dot takes: on the H100 (Triton 3.6) summing those very tiles gave
                 # results that changed from launch to launch with 64-row tiles (relative
-                # errors up to 3e-2), and it was slower with 16-32-row tiles
+                # errors up to 3.5e-2), and it was slower with 16-32-row tiles
                 # (benchmarks/lola_fold_check.py). ".cg" keeps the second load a load of
                 # its own.
                 xf = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0,
@@ -218,9 +218,10 @@ def _layernorm_kernel(
 # The first pass of PASSES = 2 reads x once and writes it once, like RMSNorm: whole rows in
 # registers up to 16K columns (rmsnorm's default heuristic), several rows per program for
 # narrow rows, 16 elements a thread. On the H100 at 4096 rows (CUDA-graph replays,
-# benchmarks/lola_prefill_parts.py): 4096 columns 28.1 µs with 8 warps a row (27.9-29.6 with
-# 4-16 warps, 1-4 rows; 32.9 for the earlier loop that read each row three times); 768
-# columns 9.8-10.4 µs with 1-8 rows and 4-16 warps (10.9 before).
+# benchmarks/lola_prefill_parts.py) as launched here: 4096 columns 27.7 µs (one row, 8 warps;
+# 27.9-29.7 with other rows and warps; 32.9 for the earlier loop that read each row three
+# times), 768 columns 9.6 µs (2 rows, 4 warps; 9.8-10.6 with 1-8 rows where a thread holds
+# 8-32 elements, 12-18 with one row on 8-16 warps; 10.9 before).
 LAYERNORM_PASS_ELEMENTS = 2048  # elements a program holds at least (rows of narrow inputs)
 LAYERNORM_THREAD_ELEMENTS = 16
 LAYERNORM_SINGLE_PASS_MAX = 16384

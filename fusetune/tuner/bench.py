@@ -117,10 +117,11 @@ def _end_rng_capture() -> None:
     A capture that fails leaves them in it (torch 2.11): the process's next torch.randn on the
     GPU, the next point's inputs for instance, raises "Offset increment outside graph capture
     encountered unexpectedly". An empty capture, which ends normally, restores them (the
-    seed and offset are kept)."""
+    seed and offset are kept). Errors thread-local, as in captured_launch: other devices'
+    threads of a multi-GPU search may be calling CUDA meanwhile."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
             pass
 
 
