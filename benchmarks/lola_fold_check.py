@@ -106,16 +106,24 @@ def shape_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def parse_on_gpu(ap: argparse.ArgumentParser) -> argparse.Namespace | None:
+    """The parsed arguments with torch seeded, or None (said on stderr) without a CUDA GPU."""
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return None
+    torch.manual_seed(0)
+    return args
+
+
 def main() -> int:
     ap = shape_parser(__doc__)
     ap.add_argument("--configs", default="",
                     help="BM,BN,BK,GM,warps,stages;... (default: the stored grid's cases)")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    args = parse_on_gpu(ap)
+    if args is None:
         return 2
     m, k, n = args.rows, args.dim, args.out
-    torch.manual_seed(0)
     # lola's own search inputs: rows with an offset and a scale each.
     x = (torch.randn(m, k, device="cuda") * (1 + torch.rand(m, 1, device="cuda"))
          + 0.5 * torch.randn(m, 1, device="cuda")).half()

@@ -37,7 +37,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import fusetune
-from benchmarks.lola_fold_check import shape_parser, tile_pointers
+from benchmarks.lola_fold_check import parse_on_gpu, shape_parser, tile_pointers
 from benchmarks.persistent_tma import _tile
 from benchmarks.timing import as_graph, median_us
 from fusetune.kernels._spec import next_pow2
@@ -68,6 +68,21 @@ def erf_fast(x):
 
 
 @triton.jit
+def _epilogue_store(acc, B, OUT, rm, rn, M, N, stride_om, EPI: tl.constexpr):
+    # The diagnostics' epilogues: EPI 0 stores the product, 1 adds the bias, 2 then applies the
+    # exact GELU through tl.erf, 3 through erf_fast; masked to the [M, N] output.
+    y = acc
+    if EPI >= 1:
+        y += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if EPI == 2:
+        y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+    if EPI == 3:
+        y = 0.5 * y * (1.0 + erf_fast(y * 0.7071067811865476))
+    tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
+             y.to(OUT.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
 def _gemm_epilogue(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, EPI: tl.constexpr):
@@ -81,15 +96,7 @@ def _gemm_epilogue(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om,
         acc = tl.dot(x, w, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    y = acc
-    if EPI >= 1:
-        y += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if EPI == 2:
-        y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
-    if EPI == 3:
-        y = 0.5 * y * (1.0 + erf_fast(y * 0.7071067811865476))
-    tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
-             y.to(OUT.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _epilogue_store(acc, B, OUT, rm, rn, M, N, stride_om, EPI)
 
 
 @triton.jit
@@ -106,23 +113,8 @@ def _gemm_persistent(XD, WD, B, OUT, M, N, K, stride_om, BLOCK_M: tl.constexpr,
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             acc = tl.dot(XD.load([pid_m * BLOCK_M, k0]), WD.load([pid_n * BLOCK_N, k0]).T, acc)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        y = acc
-        if EPI >= 1:
-            y += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        if EPI == 2:
-            y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
-        tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
-                 y.to(OUT.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
-
-
-@triton.jit
-def _gelu_bias_store(acc, B, OUT, rm, rn, M, N, stride_om):
-    y = acc + tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
-    tl.store(OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
-             y.to(OUT.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+        _epilogue_store(acc, B, OUT, pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
+                        pid_n * BLOCK_N + tl.arange(0, BLOCK_N), M, N, stride_om, EPI)
 
 
 @triton.jit
@@ -159,23 +151,22 @@ def _gemm_ws(XD, WD, X, W, B, OUT, M, N, K, stride_om, BLOCK_M: tl.constexpr,
         if SUBTILE:
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             acc0, acc1 = tl.split(halves)
-            _gelu_bias_store(acc0, B, OUT, rm, n0 + tl.arange(0, BLOCK_N // 2), M, N, stride_om)
-            _gelu_bias_store(acc1, B, OUT, rm, n0 + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2),
-                             M, N, stride_om)
+            _epilogue_store(acc0, B, OUT, rm, n0 + tl.arange(0, BLOCK_N // 2), M, N, stride_om,
+                            2)
+            _epilogue_store(acc1, B, OUT, rm, n0 + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2),
+                            M, N, stride_om, 2)
         else:
-            _gelu_bias_store(acc, B, OUT, rm, n0 + tl.arange(0, BLOCK_N), M, N, stride_om)
+            _epilogue_store(acc, B, OUT, rm, n0 + tl.arange(0, BLOCK_N), M, N, stride_om, 2)
 
 
 def main() -> int:
     ap = shape_parser(__doc__)
     ap.add_argument("--only", default="", help="comma-separated row kinds: cublas, layernorm, "
                     "triton, persistent, ws, lola (default: all)")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    args = parse_on_gpu(ap)
+    if args is None:
         return 2
     m, k, n = args.rows, args.dim, args.out
-    torch.manual_seed(0)
     inputs = SPEC.make_inputs(fusetune.kernels._spec.Point.make(
         "lola", {"dim": k, "out": n}, 1, m, "float16"), "cuda")
     x, w, b = inputs["x"].view(m, k), inputs["weight"], inputs["bias"]

@@ -19,13 +19,15 @@ only=${PARTS_ONLY:+--only $PARTS_ONLY}
 STEP_TAIL=70 step parts_gpt2 150 python3 -m benchmarks.lola_prefill_parts $only
 STEP_TAIL=70 step parts_16384 150 python3 -m benchmarks.lola_prefill_parts --dim 4096 \
   --out 16384 $only
+bench() {  # NAME ARGS...: bench_lola at the two prefill points and one row, 3 rounds
+  local name=$1; shift
+  STEP_TAIL=20 step "bench_$name" 200 python3 -m benchmarks.bench_lola \
+    --shapes 4096:768:3072,4096:4096:16384,1:4096:16384 --rounds 3 \
+    --markdown "$work/${name}.md" --json "$work/${name}.json" "$@"
+}
 if [ "${GRIDS:-1}" = 0 ]; then
-  for mode in graph plain; do
-    STEP_TAIL=12 step "bench_lola_shipped_$mode" 200 python3 -m benchmarks.bench_lola \
-      --shapes 4096:768:3072,4096:4096:16384,1:4096:16384 --rounds 3 \
-      $([ $mode = plain ] && echo --no-graph) --markdown "$work/lola_bench_shipped_$mode.md" \
-      --json "$work/lola_bench_shipped_$mode.json"
-  done
+  bench lola_shipped_graph
+  bench lola_shipped_plain --no-graph
   exit 0
 fi
 grid() {  # NAME ARGS...: one point's exhaustive grid of lola's TMA sub-space at 4096 rows
@@ -37,6 +39,4 @@ grid() {  # NAME ARGS...: one point's exhaustive grid of lola's TMA sub-space at
 grid gpt2 --model gpt2
 grid 16384 --dims dim=4096,out=16384
 step export 60 python3 -m fusetune.cli export "$work/lola_tables.yaml" --gpu "$gpu" --db "$db"
-STEP_TAIL=20 step bench_lola 200 python3 -m benchmarks.bench_lola --tables "$work/lola_tables.yaml" \
-  --shapes 4096:768:3072,4096:4096:16384,1:4096:16384 --rounds 3 \
-  --markdown "$work/lola_bench.md" --json "$work/lola_bench.json"
+bench lola --tables "$work/lola_tables.yaml"
