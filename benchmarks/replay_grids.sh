@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Replays search strategies against the grids that benchmarks/run_gpu_grids.sh stored (no GPU
-# needed): `bash benchmarks/replay_grids.sh GRID_DB OUT_DIR [SEEDS] [BUDGET]` (GRID_SET=heldout:
-# the held-out pairs, GRID_SET=gemv: the GEMV grids of run_gpu_gemv.sh, GRID_SET=gemv_wide: those
+# needed): `bash benchmarks/replay_grids.sh GRID_DB OUT_DIR [SEEDS] [BUDGET]` (GRID_SET=main,
+# heldout, heldout2, heldout3: the pairs benchmarks/grid_sets.sh lists; GRID_SET=gemv: the GEMV
+# grids of run_gpu_gemv.sh, GRID_SET=gemv_wide: those
 # of GEMV_SPACE=gemv_wide bash benchmarks/run_gpu_gemv.sh, GRID_SET=qkv_tma and
 # fp8_tma: the grids of run_gpu_tma.sh's TMA_SET=qkv and fp8; STRATEGIES: which).
 # One report per pair, Markdown and JSON, in OUT_DIR.
@@ -45,16 +46,10 @@ if [ "${GRID_SET:-main}" = fp8_tma ]; then  # run_gpu_tma.sh, TMA_SET=fp8
     --weights fp8-e4m3 --space $spaces/qkv_prefill_fp8_tma.yaml
   exit 0
 fi
-if [ "${GRID_SET:-main}" = heldout ]; then
-  replay ffn_batch16 --kernel ffn --model llama-2-7b --batch 16 --seq 1 --space $spaces/ffn_batch16.yaml
-  replay lola_decode --kernel lola --model llama-2-7b --batch 1 --seq 1 --space $spaces/lola_decode.yaml
-  replay ffn_seq512 --kernel ffn --model llama-2-7b --batch 1 --seq 512 --space $spaces/ffn_prefill.yaml
-  replay qkv_batch16 --kernel qkv --model llama-2-7b --batch 16 --seq 1 --space $spaces/qkv_batch16.yaml
-  exit 0
-fi
-replay ffn_decode --kernel ffn --model llama-2-7b --batch 1 --seq 1 --space $spaces/ffn_decode.yaml
-replay qkv_decode --kernel qkv --model llama-2-7b --batch 1 --seq 1 --space $spaces/qkv_decode.yaml
-replay lola_prefill --kernel lola --model gpt2 --batch 1 --seq 4096 --space $spaces/lola_prefill.yaml
-replay ffn_prefill --kernel ffn --model llama-2-7b --batch 1 --seq 4096 --space $spaces/ffn_prefill.yaml
-replay qkv_prefill --kernel qkv --model llama-2-7b --batch 1 --seq 4096 --space $spaces/qkv_prefill.yaml
-replay rmsnorm_decode --kernel rmsnorm --model llama-2-7b --batch 1 --seq 1
+# the pairs of benchmarks/run_gpu_grids.sh (GRID_SET=main, heldout, heldout2, heldout3)
+source "$(dirname "$0")/grid_sets.sh"
+pairs=$(grid_pairs "${GRID_SET:-main}")
+while read -r name args <&3; do
+  # shellcheck disable=SC2086  # the arguments are words
+  replay "$name" $args
+done 3<<< "$pairs"  # fd 3: the commands keep stdin

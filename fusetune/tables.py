@@ -248,6 +248,23 @@ def gpu_for_device(device: Any = None) -> Any:
     return spec
 
 
+TunedEntry = tuple[tuple[tuple[str, int], ...], str, int, Config]  # (dims, dtype, rows, config)
+
+
+def tuned_entries(gpu: str, kernel: str, weights: str = "") -> list[TunedEntry]:
+    """Every entry the lookup could use for `kernel` with `weights` on `gpu` (any dims, dtype
+    and row count): the loaded tables' first, then the shipped ones'. A search starts from the
+    nearest of them (fusetune.tuner.seeds)."""
+    out: list[TunedEntry] = []
+    for tables in (_user_tables(), _shipped_tables()):
+        if tables is None:
+            continue
+        for (g, k, dims, dtype, w), entries in tables.groups.items():
+            if g == gpu and k == kernel and w == weights:
+                out += [(dims, dtype, rows, config) for rows, config in entries]
+    return out
+
+
 def _nearest(rows: int, entries: list[tuple[int, Config]]) -> Config | None:
     lo, hi = entries[0][0], entries[-1][0]
     if not lo <= rows <= hi:

@@ -196,14 +196,21 @@ def test_the_search_strategy_starts_from_the_default_and_the_neighbours_winners(
     assert statistics.fmean(r.reached[0.02] for r in cold) > 3
 
     # A poor default; a neighbouring point's winner is this point's optimum: second evaluation.
-    # A neighbour's winner that this space cannot hold is left out.
     spec = synth_spec(default={"A": 1, "B": 1, "num_warps": 32})
     grid = synth_grid(spec, space, bowl)
-    grid.neighbours = [{"A": 512, "B": 3, "num_warps": 8}, best]
+    grid.neighbours = [best, {"A": 1, "B": 4, "num_warps": 4}]
     for seed in range(3):
         run = replay_once(grid, space, spec, STRATEGIES["fusetune"], seed, grid.size)
         assert run.order[:2] == [config_key(grid.default), config_key(best)]
         assert run.reached[0.02] == 2
+    # A neighbour's winner that this space cannot hold (A = 512) leads to its nearest config in
+    # the space (A = 64), evaluated in its turn.
+    grid.neighbours = [{"A": 512, "B": 3, "num_warps": 8}, best]
+    for seed in range(3):
+        run = replay_once(grid, space, spec, STRATEGIES["fusetune"], seed, grid.size)
+        assert run.order[:3] == [config_key(grid.default),
+                                 config_key({"A": 64, "B": 3, "num_warps": 8}), config_key(best)]
+        assert run.reached[0.02] == 3
 
 
 def test_configs_outside_the_space_are_reached_through_the_configs_that_collapse_onto_them(

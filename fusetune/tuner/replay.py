@@ -84,7 +84,7 @@ def replay_once(grid: StoredGrid, space: SearchSpace, spec: KernelSpec, strategy
         return value
 
     if strategy.seeded:
-        starts = start_configs(spec, grid.point, grid.plan, grid.default, grid.neighbours)
+        starts = start_configs(spec, grid.point, space, grid.plan, grid.default, grid.neighbours)
         for c in proposer.enqueue(starts):  # outside the space: evaluated directly
             evaluate(config_key(c))
     stop_at = -math.inf if stop_within is None else tally.optimum * (1 + stop_within)

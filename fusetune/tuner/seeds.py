@@ -1,48 +1,104 @@
 """The configs a study starts from: the default heuristic and the winners of neighbouring points.
 
-A point's neighbours share its GPU, kernel, dims, dtype, weight format and backend and differ in
-batch or sequence length; the nearest in log2 of the row count come first. Their winners are
-only first guesses (they are evaluated like any other config), so neighbours tuned with another
-version of the kernel, Triton or torch are welcome too.
+A point's neighbours are the other tuned points of its GPU, kernel, weight format and backend:
+the winners stored in the database and the entries of the lookup tables (the loaded ones and
+those shipped with fusetune) for that GPU. The nearest come first, by `point_distance`: row
+count, then dims (another model's shapes), then dtype. Their winners are only first guesses
+(they are evaluated like any other config), so neighbours tuned with another version of the
+kernel, Triton or torch are welcome too. On the H100's grids the decode optimum of one model's
+shapes was often another's (the ffn of Llama-2-7B and Llama-3-8B at one row: the same needle,
+the one config within 2% of 219; BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from fusetune import tables
 from fusetune.db.store import PointKey, Store
 from fusetune.kernels._spec import Config, KernelSpec, Point
-from fusetune.tuner.space import Plan, config_key
+from fusetune.tuner.space import Plan, SearchSpace, config_key
 
 NEIGHBOURS = 2  # winners of this many nearest points are tried right after the default
+DTYPE_DISTANCE = 1.0  # another activation dtype counts as a factor of 2 in the row count
+# Points farther apart than this (64× the rows, or the equivalent in dims) do not seed each other:
+# decode (few rows) and prefill (thousands) take other structures, and a winner of one, moved
+# into the other's space, starts the climb in the wrong place.
+MAX_DISTANCE = 6.0
+
+
+def point_distance(dims: Mapping[str, int], rows: int, dtype: str,
+                   other_dims: Mapping[str, int], other_rows: int, other_dtype: str
+                   ) -> float | None:
+    """How far apart two points of one kernel are: |Δ log2 rows| + Σ |Δ log2 (1 + dim)| over
+    the dims (+ DTYPE_DISTANCE for another dtype); None when their dims have other names.
+    A factor of 2 in the rows or in one dim counts 1 (about: 1 + dim keeps dims of 0 and 1,
+    such as qkv's interleaved flag, apart)."""
+    if set(dims) != set(other_dims):
+        return None
+    d = abs(math.log2(max(1, rows)) - math.log2(max(1, other_rows)))
+    d += sum(abs(math.log2(1 + dims[k]) - math.log2(1 + other_dims[k])) for k in dims)
+    return d + (DTYPE_DISTANCE if dtype != other_dtype else 0.0)
 
 
 def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
-                      limit: int = NEIGHBOURS) -> list[Config]:
-    """Winners of the `limit` points nearest to `key` in rows (newest first among equals),
-    leaving out the point `point_id` itself."""
+                      limit: int = NEIGHBOURS, *, use_tables: bool = True,
+                      same_shape: bool = True) -> list[Config]:
+    """Distinct winners of the `limit` points nearest to `key` (point_distance, at most
+    MAX_DISTANCE; among equals
+    the database's before the tables', newest first), leaving out the point `point_id` itself.
+    use_tables: the lookup tables' entries for key.gpu count as points too. same_shape=False
+    also leaves out winners of key's very shape (dims, rows, dtype) stored under another
+    version or in a table: what a replay does, where those may come from the grid itself."""
     rows = max(1, key.batch * key.seq)
-    found = [(abs(math.log2(max(1, p.batch * p.seq)) - math.log2(rows)), i, dict(w.config))
-             for i, (p, w) in enumerate(store.winners(gpu=key.gpu, kernel=key.kernel))
-             if p.id != point_id and p.dims == key.dims_json and p.dtype == key.dtype
-             and p.weights == key.weights and p.backend == key.backend]
-    found.sort(key=lambda t: (t[0], t[1]))  # winners() lists the newest first
-    return [config for _, _, config in found[:limit]]
+    shape = (dict(key.dims), rows, key.dtype)
+    found: list[tuple[float, int, Config]] = []
+
+    def consider(dims: Mapping[str, int], n_rows: int, dtype: str, config: Config) -> None:
+        d = point_distance(key.dims, rows, key.dtype, dims, n_rows, dtype)
+        if (d is None or d > MAX_DISTANCE
+                or (not same_shape and (dict(dims), n_rows, dtype) == shape)):
+            return
+        found.append((d, len(found), dict(config)))
+
+    for p, w in store.winners(gpu=key.gpu, kernel=key.kernel):  # newest first
+        if p.id != point_id and p.weights == key.weights and p.backend == key.backend:
+            consider(json.loads(p.dims), max(1, p.batch * p.seq), p.dtype, w.config)
+    if use_tables and key.backend == "cuda":
+        for dims, dtype, n_rows, config in tables.tuned_entries(key.gpu, key.kernel,
+                                                                key.weights):
+            consider(dict(dims), n_rows, dtype, config)
+    found.sort(key=lambda t: (t[0], t[1]))
+    out: list[Config] = []
+    seen: set[str] = set()
+    for _, _, config in found:
+        if (k := config_key(config)) not in seen:
+            seen.add(k)
+            out.append(config)
+        if len(out) == limit:
+            break
+    return out
 
 
-def start_configs(spec: KernelSpec, point: Point, plan: Plan, default: Config,
-                  neighbours: Sequence[Config]) -> list[Config]:
-    """The default, then the neighbours' winners made canonical for `point`; winners that this
-    point's space does not hold, and duplicates, are left out."""
+def start_configs(spec: KernelSpec, point: Point, space: SearchSpace, plan: Plan,
+                  default: Config, neighbours: Sequence[Config]) -> list[Config]:
+    """The default, then the neighbours' winners made canonical for `point`. A start config
+    that this point's space does not hold (a winner of another space, a default outside a
+    `--space` file) leads to its nearest config in the space (SearchSpace.nearest), the
+    default to both; what the GPU cannot hold, winners of an older kernel's config keys and
+    duplicates are left out."""
     out, seen = [default], {config_key(default)}
-    for c in neighbours:
+    for c in [default, *neighbours]:
         try:
             canon = spec.canonical(c, point)
+            if config_key(canon) not in plan.representative:
+                canon = spec.canonical(space.nearest(canon), point)
         except (KeyError, TypeError, ValueError):  # a winner of an older kernel's config keys
             continue
         key = config_key(canon)
-        if key in seen or key not in plan.representative:
+        if key in seen or key not in plan.representative or key in plan.infeasible:
             continue
         seen.add(key)
         out.append(canon)

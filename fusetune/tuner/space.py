@@ -71,6 +71,17 @@ class SearchSpace:
             params[p.optuna_name] = v.bit_length() - 1 if p.kind == "pow2" else v
         return params
 
+    def nearest(self, config: Mapping[str, int]) -> Config:
+        """The config of this space nearest to `config`, parameter by parameter (powers of two
+        in log2; ties to the smaller value): where a start config outside the space leads."""
+        def distance(p: Param, a: int, b: int) -> int:
+            if p.kind == "pow2":
+                return abs(max(a, 1).bit_length() - max(b, 1).bit_length())
+            return abs(a - b)
+
+        return {p.name: min(p.values, key=lambda c, p=p: (distance(p, c, config[p.name]), c))
+                for p in self.params}
+
     def from_params(self, params: Mapping[str, int]) -> Config:
         """The config of Optuna parameters made by `suggest` or `to_params`."""
         return {p.name: (1 << params[p.optuna_name]) if p.kind == "pow2" else params[p.optuna_name]

@@ -1,0 +1,103 @@
+"""Replays search strategies against every complete grid in the given databases (no GPU needed):
+one line per (kernel, point), whether each strategy came within 2% of the grid's optimum in at
+most a tenth of the grid's configs (median over seeds), and the count over all grids.
+
+Each stored point is replayed on the largest space of benchmarks/grid_spaces/ (or the kernel's
+own space) for which its grid is complete under the current kernel's configs and default;
+points without one are left out and listed. To replay with another version of fusetune, put
+that checkout first on PYTHONPATH and run this file by its path:
+
+    python -m benchmarks.replay_all_grids benchmarks/results/heldout3_h100_grid.db ...
+    PYTHONPATH=/tmp/old python benchmarks/replay_all_grids.py --strategies fusetune DB ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import optuna
+
+from fusetune.db.models import PointRow
+from fusetune.db.store import Store
+from fusetune.kernels import get_spec
+from fusetune.tuner.grid import GridError, StoredGrid, load_grid
+from fusetune.tuner.replay import WITHIN_GRID_FRACTION, replay_once
+from fusetune.tuner.sampling import STRATEGIES
+from fusetune.tuner.search import open_storage
+from fusetune.tuner.space import SearchSpace, SpaceError, load_space
+
+SPACES = Path(__file__).resolve().parent / "grid_spaces"
+
+
+def complete_grid(store: Store, storage: optuna.storages.BaseStorage, row: PointRow
+                  ) -> tuple[str, SearchSpace, StoredGrid] | None:
+    """(space name, space, grid) of the largest space the point's stored grid completes."""
+    spec = get_spec(row.kernel)
+    best: tuple[str, SearchSpace, StoredGrid] | None = None
+    paths: list[Path | None] = [None, *sorted(SPACES.glob(f"{spec.name}_*.yaml"))]
+    for path in paths:
+        try:
+            space = load_space(spec, path)
+            grid = load_grid(store, storage, row, spec, space)
+            grid.require_complete()
+        except (GridError, SpaceError, KeyError, ValueError):
+            continue
+        if best is None or grid.size > best[2].size:
+            best = (path.stem if path else "full", space, grid)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dbs", nargs="+", help="SQLite grid databases (files)")
+    ap.add_argument("--strategies", default="fusetune,tpe",
+                    help=f"comma-separated; valid: {', '.join(STRATEGIES)}")
+    ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--budget", type=int, default=30, help="evaluations per replay at most")
+    ap.add_argument("--min-size", type=int, default=40, help="leave out smaller grids")
+    args = ap.parse_args(argv)
+    strategies = [STRATEGIES[s] for s in args.strategies.split(",")]
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    print("| grid database: kernel, point | space | configs | "
+          + " | ".join(f"{s.name}: median evals to 2%" for s in strategies) + " |")
+    print("|---|---|---:|" + "---:|" * len(strategies))
+    met = dict.fromkeys(args.strategies.split(","), 0)
+    counted, skipped = 0, []
+    for db in args.dbs:
+        url = f"sqlite:///{db}"
+        store, storage = Store(url), open_storage(url)
+        for row in store.points():
+            found = complete_grid(store, storage, row)
+            label = (f"{Path(db).stem}: {row.kernel} {row.dims} b={row.batch} s={row.seq} "
+                     f"{row.dtype}{' ' + row.weights if row.weights else ''}")
+            if found is None or found[2].size < args.min_size:
+                skipped.append(label)
+                continue
+            name, space, grid = found
+            counted += 1
+            cells = []
+            for s in strategies:
+                runs = [replay_once(grid, space, get_spec(row.kernel), s, seed, args.budget)
+                        for seed in range(args.seeds)]
+                med = statistics.median(math.inf if r.reached[0.02] is None
+                                        else r.reached[0.02] for r in runs)
+                ok = med <= WITHIN_GRID_FRACTION * grid.size
+                met[s.name] += ok
+                cells.append(f">{args.budget}" if math.isinf(med)
+                             else f"{'**' if ok else ''}{med:g}{'**' if ok else ''}")
+            print(f"| {label} | {name} | {grid.size} | " + " | ".join(cells) + " |", flush=True)
+    print(f"\nWithin 2% in at most {WITHIN_GRID_FRACTION:.0%} of the grid (median of "
+          f"{args.seeds} seeds, bold): " + ", ".join(f"{k} {v} of {counted}"
+                                                       for k, v in met.items()))
+    if skipped:
+        print(f"Left out ({len(skipped)}: no complete grid under today's configs, or fewer than "
+              f"{args.min_size} configs): " + "; ".join(skipped))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
