@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_replay import synth_spec
 
 import fusetune
 from fusetune import gpus
 from fusetune.db.store import PointKey, Store
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Config, Cost, KernelSpec, Point, Resources
+from fusetune.kernels._spec import Point
 from fusetune.tuner.seeds import neighbour_winners, point_distance, start_configs
 from fusetune.tuner.space import Param, SearchSpace, config_key, make_plan
 
@@ -98,20 +99,6 @@ def test_the_lookup_tables_entries_seed_a_search_of_another_model(
                                         gpu=A100), None) == []
 
 
-def tiny_spec(default: Config) -> KernelSpec:
-    def unused(*_args: object) -> None:
-        raise AssertionError("nothing runs here")
-
-    return KernelSpec(
-        name="synth", description="synthetic", dim_names=("dim",),
-        config_keys=("A", "B", "num_warps"), pow2_keys=("A", "num_warps"),
-        make_inputs=unused, make_outputs=unused, reference=unused, launch=unused,
-        default_config=lambda p, g: dict(default),
-        resources=lambda c, p: Resources(0, 32, 32 * c["num_warps"]),
-        cost=lambda p: Cost(1, 1), canonical=lambda c, p: dict(c),
-        dims_from_model=lambda m: {"dim": m.dim})
-
-
 SPACE = SearchSpace("synth", (Param("A", "pow2", (4, 8, 16)), Param("B", "values", (1, 3, 5)),
                               Param("num_warps", "pow2", (8, 16, 32, 64))), "synthetic")
 
@@ -126,7 +113,7 @@ def test_nearest_moves_each_parameter_to_the_closest_value_of_the_space() -> Non
 def test_start_configs_move_seeds_outside_the_space_into_it() -> None:
     point = Point.make("synth", {"dim": 8}, 1, 1, "float16")
     default = {"A": 64, "B": 3, "num_warps": 8}  # outside (A), the space holds A=16
-    spec = tiny_spec(default)
+    spec = synth_spec(default=default)  # any config fits up to 1024 threads
     plan = make_plan(SPACE, spec, point, gpus.INTERPRETER)  # num_warps 64: 2048 threads
     assert config_key({"A": 4, "B": 1, "num_warps": 64}) in plan.infeasible
     seeds = [{"A": 8, "B": 1, "num_warps": 16},  # in the space: as it is
