@@ -47,11 +47,11 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
                       limit: int = NEIGHBOURS, *, use_tables: bool = True,
                       same_shape: bool = True) -> list[Config]:
     """Distinct winners of the `limit` points nearest to `key` (point_distance, at most
-    MAX_DISTANCE; among equals
-    the database's before the tables', newest first), leaving out the point `point_id` itself.
-    use_tables: the lookup tables' entries for key.gpu count as points too. same_shape=False
-    also leaves out winners of key's very shape (dims, rows, dtype) stored under another
-    version or in a table: what a replay does, where those may come from the grid itself."""
+    MAX_DISTANCE; among equals the database's before the tables', newest first), leaving out
+    the point `point_id` itself. use_tables: the lookup tables' entries for key.gpu count as
+    points too. same_shape=False also leaves out winners of key's very shape (dims, rows,
+    dtype) stored under another version or in a table: what a replay does, where those may
+    come from the grid itself."""
     rows = max(1, key.batch * key.seq)
     shape = (dict(key.dims), rows, key.dtype)
     found: list[tuple[float, int, Config]] = []
