@@ -53,13 +53,12 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
     dtype) stored under another version or in a table: what a replay does, where those may
     come from the grid itself."""
     rows = max(1, key.batch * key.seq)
-    shape = (dict(key.dims), rows, key.dtype)
     found: list[tuple[float, int, Config]] = []
 
     def consider(dims: Mapping[str, int], n_rows: int, dtype: str, config: Config) -> None:
         d = point_distance(key.dims, rows, key.dtype, dims, n_rows, dtype)
-        if (d is None or d > MAX_DISTANCE
-                or (not same_shape and (dict(dims), n_rows, dtype) == shape)):
+        # Distance 0 is key's very shape: every term is 0 only for equal rows, dims and dtype.
+        if d is None or d > MAX_DISTANCE or (not same_shape and d == 0):
             return
         found.append((d, len(found), dict(config)))
 
