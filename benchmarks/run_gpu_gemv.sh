@@ -8,8 +8,10 @@
 #   source .whl/setup.sh && bash benchmarks/run_gpu_gemv.sh
 # GEMV_SPACE=gemv_wide: the grids of benchmarks/grid_spaces/*_gemv_wide.yaml instead (1-8 rows
 # per program, K-steps up to a whole row); GEMV_SPACE=gemv_two_pass: the same after a separate
-# norm pass (PASSES = 2; *_gemv_two_pass.yaml); GEMV_TESTS=0 leaves out the GPU tests; GEMV_GRIDS
-# names the grids to run (default: ffn qkv lola ffn_e4m3 qkv_e4m3).
+# norm pass (PASSES = 2; *_gemv_two_pass.yaml); GEMV_SPACE=gemv_spread: a program's rows adjacent
+# or spread over the matrix (SPREAD; *_gemv_spread.yaml); GEMV_TESTS=0 leaves out the GPU tests;
+# GEMV_GRIDS names the grids to run (default: ffn qkv lola ffn_e4m3 qkv_e4m3; also qkv_half,
+# Hugging Face's half-split pairs, and lola_e4m3).
 set -uo pipefail
 source "$(dirname "$0")/gpu_steps.sh" gemv
 gpu=$(python3 -c "import torch; from fusetune.tables import gpu_for_device; \
@@ -30,10 +32,12 @@ for g in ${GEMV_GRIDS:-ffn qkv lola ffn_e4m3 qkv_e4m3}; do
   case $g in
     ffn) grid ffn ffn --model llama-2-7b ;;
     qkv) grid qkv qkv --model llama-2-7b ;;
+    qkv_half) grid qkv_half qkv --dims dim=4096,head_dim=128,interleaved=0,n_heads=32,n_kv_heads=32 ;;
     lola) grid lola lola --dims dim=4096,out=16384 ;;
     ffn_e4m3) grid ffn_e4m3 ffn --model llama-2-7b --weights fp8-e4m3 ;;
     qkv_e4m3) grid qkv_e4m3 qkv --model llama-2-7b --weights fp8-e4m3 ;;
-    *) echo "unknown grid $g (valid: ffn qkv lola ffn_e4m3 qkv_e4m3)"; exit 2 ;;
+    lola_e4m3) grid lola_e4m3 lola --dims dim=4096,out=16384 --weights fp8-e4m3 ;;
+    *) echo "unknown grid $g (valid: ffn qkv qkv_half lola ffn_e4m3 qkv_e4m3 lola_e4m3)"; exit 2 ;;
   esac
 done
 step export 60 python3 -m fusetune.cli export "$work/gemv_tables.yaml" --gpu "$gpu" --db "$db"

@@ -7,6 +7,7 @@ Triton's interpreter at a tiny space, in subprocesses like `fusetune search` in 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -487,3 +488,23 @@ def test_climb_reaches_an_optimum_two_steps_away_through_the_second_best() -> No
     tpe = [replay_once(grid, space, spec, STRATEGIES["fusetune-tpe"], s, grid.size)
            for s in range(5)]
     assert statistics.median(r.reached[0.02] for r in tpe) > 12  # the comparison can fail
+
+
+def test_a_grid_stored_before_a_flag_existed_replays_with_the_flags_default(
+        sqlite_url: str) -> None:
+    # The grid's configs were stored without the flag F that the kernel gained later (with
+    # default 0): they are today's configs with F = 0, so the grid is still complete.
+    spec = synth_spec(default={"A": 4, "B": 1, "num_warps": 8, "F": 0})
+    old = synth_space((4, 8), (1, 3), (8,))
+    store = Store(sqlite_url)
+    pid = store.point_id(PointKey("h100-sxm", "synth", {"dim": 8}, 1, 1, "float16", "",
+                                  "interpreter", "k", "3.6", "2.11"))
+    for c in make_plan(old, spec, POINT, gpus.INTERPRETER).feasible:
+        store.record(pid, config_key(c), c, "ok", time_us=bowl(c))
+    flagged = dataclasses.replace(spec, config_keys=(*spec.config_keys, "F"), flags={"F": 0})
+    space = SearchSpace("synth", (*old.params, Param("F", "values", (0,))), "synthetic")
+    (row,) = store.points()
+    grid = load_grid(store, open_storage(sqlite_url), row, flagged, space)
+    assert grid.missing() == []
+    best, t = grid.optimum
+    assert best == {"A": 8, "B": 3, "num_warps": 8, "F": 0} and t == bowl(best)

@@ -16,7 +16,7 @@ from fusetune.db.store import PointKey, Store
 from fusetune.kernels import get_spec
 from fusetune.kernels._spec import Point
 from fusetune.tuner.seeds import neighbour_winners, point_distance, start_configs
-from fusetune.tuner.space import Param, SearchSpace, config_key, make_plan
+from fusetune.tuner.space import Param, SearchSpace, config_key, load_space, make_plan
 
 FFN = {"dim": 4096, "hidden": 11008}
 A100 = "a100-80gb"
@@ -122,3 +122,19 @@ def test_start_configs_move_seeds_outside_the_space_into_it() -> None:
              {"A": 8, "C": 1}]  # keys of another kernel version: left out
     got = start_configs(spec, point, SPACE, plan, default, seeds)
     assert got == [default, {"A": 16, "B": 3, "num_warps": 8}, {"A": 8, "B": 1, "num_warps": 16}]
+
+
+def test_a_winner_stored_before_a_flag_existed_seeds_with_the_flags_default() -> None:
+    # Tables and databases written before SPREAD hold configs without it: such a winner ran
+    # with SPREAD = 0 and seeds the search as that config (it was dropped as an unknown shape).
+    spec = get_spec("ffn")
+    point = Point.make("ffn", FFN, 1, 1, "float16")
+    gpu = gpus.resolve("h100")
+    space = load_space(spec)
+    plan = make_plan(space, spec, point, gpu)
+    default = spec.canonical(spec.default_config(point, gpu), point)
+    old = {"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "GROUP_M": 1, "PASSES": 1,
+           "SPLIT_K": 1, "ACT_FP8": 0, "UNROLL_K": 1, "TMA": 0, "num_warps": 8,
+           "num_stages": 1}
+    got = start_configs(spec, point, space, plan, default, [old])
+    assert got == [default, {**old, "SPREAD": 0}]

@@ -25,12 +25,13 @@ from fusetune.kernels._spec import (
 # The tunables every matmul kernel has (the YAML spaces and tables name exactly these), and
 # the tolerance its output is checked with (float32 accumulation of fp16/bf16 products).
 # ACT_FP8 (0/1, see fp8.py), UNROLL_K (0/1: the GEMV structure's K loop takes two K-steps per
-# iteration, see gemv_two_products) and TMA (0/1: the tensor-core loop reads its tiles through
-# TMA descriptors, see tma_two_products; ffn and lola) may be left out of a config: tables
-# written before them mean 0.
+# iteration, see gemv_two_products), SPREAD (0/1: a GEMV program's output rows lie far apart,
+# see block_rows) and TMA (0/1: the tensor-core loop reads its tiles through TMA descriptors,
+# see tma_two_products; ffn and lola) may be left out of a config: tables written before them
+# mean 0.
 MATMUL_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K",
-                      "ACT_FP8", "UNROLL_K", "TMA", "num_warps", "num_stages")
-MATMUL_FLAGS = {"ACT_FP8": 0, "UNROLL_K": 0, "TMA": 0}
+                      "ACT_FP8", "UNROLL_K", "SPREAD", "TMA", "num_warps", "num_stages")
+MATMUL_FLAGS = {"ACT_FP8": 0, "UNROLL_K": 0, "SPREAD": 0, "TMA": 0}
 # The largest TMA box: a descriptor's tile is at most 256 elements along each side.
 TMA_MAX_BOX = 256
 MATMUL_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
@@ -50,6 +51,22 @@ def grouped_tile(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     first_m = (pid // in_group) * GROUP_M
     group_m = min(num_pid_m - first_m, GROUP_M)
     return first_m + (pid % in_group) % group_m, (pid % in_group) // group_m
+
+
+@triton.jit
+def block_rows(blk, n, BLOCK_N: tl.constexpr, SPREAD: tl.constexpr):
+    """The BLOCK_N indices (weight rows, output columns; qkv: rotation pairs) of column-block
+    `blk` of n: adjacent, blk·BLOCK_N + j, or with SPREAD one in every P = cdiv(n, BLOCK_N),
+    blk + j·P, so that the block's weight rows lie 1/BLOCK_N of the matrix apart (at decode the
+    rows that the programs running at one time read then form BLOCK_N separate runs of memory
+    instead of one). Either way the P blocks cover 0 .. n - 1 once each (indices >= n: masked
+    by the caller)."""
+    j = tl.arange(0, BLOCK_N)
+    if SPREAD:  # noqa: SIM108  (a Triton constexpr branch)
+        idx = blk + j * tl.cdiv(n, BLOCK_N)
+    else:
+        idx = blk * BLOCK_N + j
+    return idx
 
 
 @triton.jit
@@ -408,6 +425,7 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
     fp8_mma = bool(point.weights) and gpu.fp8_tensor_cores and c["PASSES"] == 2
     c["ACT_FP8"] = int(fp8_mma)
     c["UNROLL_K"] = 0
+    c["SPREAD"] = 0
     # Tiles through TMA descriptors at many rows, 16-bit weights: on the H100 at 4096 rows
     # this tile took 1202 / 809 / 1099 µs with TMA against 1347 / 939 / 1282 by pointers (ffn,
     # qkv, lola 4096 -> 16384; K = 4096), and 61.5 against 70.6 µs for lola 768 -> 3072 (K =
@@ -448,6 +466,11 @@ def collapse_tiles(config: Config, rows: int, n: int, k: int) -> Config:
     number of BLOCK_K steps would be empty."""
     c = dict(config)
     c["BLOCK_M"] = min(c["BLOCK_M"], max(16, next_pow2(rows)))
+    if c.get("SPREAD") and (c["BLOCK_M"] > 1 or c["BLOCK_N"] == 1 or c["BLOCK_N"] >= n):
+        # Spread rows are for the GEMV structure (tensor-core tiles store whole rows of
+        # adjacent columns, and TMA reads adjacent rows); one row, or one block, is the same
+        # either way.
+        c["SPREAD"] = 0
     if c["BLOCK_M"] == 1:
         # The GEMV loop has no software pipeline (num_stages changes nothing) and no tensor
         # cores to feed FP8 activations to.
@@ -607,7 +630,7 @@ def pipelined_smem(config: Config, elt: int, n_weights: int, epilogue: bool,
 
 
 # The jit helpers a kernel built on two_products compiles in: part of its source hash.
-TWO_PRODUCT_SOURCES = (grouped_tile, k_slice, partial_ptrs, two_products, mma_two_products,
-                       gemv_two_products, tma_two_products, two_partials_added,
+TWO_PRODUCT_SOURCES = (grouped_tile, block_rows, k_slice, partial_ptrs, two_products,
+                       mma_two_products, gemv_two_products, tma_two_products, two_partials_added,
                        store_two_partials, dot,
                        rms_scaled, mma_weight, scale_product, rms_scaled_products)

@@ -9,8 +9,8 @@ dtype or in FP8 with per-output-channel scales (fp8.py): the scales multiply a a
 epilogue, before silu.
 
 Tunables (search_spaces/ffn.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (programs that share
-weight tiles are launched together for L2 reuse), PASSES, SPLIT_K, ACT_FP8, UNROLL_K, TMA,
-num_warps, num_stages.
+weight tiles are launched together for L2 reuse), PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD,
+TMA, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from fusetune.kernels._matmul import (
     MATMUL_POW2_KEYS,
     MATMUL_TOLERANCE,
     TWO_PRODUCT_SOURCES,
+    block_rows,
     collapse_tiles,
     collapse_tma,
     default_tiles,
@@ -88,12 +89,13 @@ def _ffn_kernel(
     ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
     W_SCALED: tl.constexpr,  # the weights have per-output-channel scales S1, S3
     UNROLL_K: tl.constexpr,  # BLOCK_M == 1: two K-steps per loop iteration (gemv_two_products)
+    SPREAD: tl.constexpr,  # BLOCK_M == 1: the program's BLOCK_N columns far apart (block_rows)
     TMA: tl.constexpr,  # X, W1, W3 are TMA descriptors (PASSES == 2, see tma_two_products)
 ):
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = block_rows(pid_n, N, BLOCK_N, SPREAD)  # the same rows of W1 and W3, columns of OUT
     m_ok = rm < M
     n_ok = rn < N
     mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -169,7 +171,8 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
             eps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
             PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
             IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act,
-            W_SCALED=s1 is not None, UNROLL_K=config.get("UNROLL_K", 0), TMA=descs is not None,
+            W_SCALED=s1 is not None, UNROLL_K=config.get("UNROLL_K", 0),
+            SPREAD=int(bool(config.get("SPREAD")) and gemv), TMA=descs is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -195,8 +198,8 @@ def ffn(
     fusetune.quantize_fp8) with optional float32 scales per output channel `w1_scale`,
     `w3_scale` [hidden] (None: 1), W1 = w1_scale[:, None] · w1. Returns [..., hidden] in x's
     dtype. The config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8,
-    UNROLL_K, TMA, num_warps, num_stages) comes from the lookup tables (for this weight format)
-    unless `config` is given.
+    UNROLL_K, SPREAD, TMA, num_warps, num_stages) comes from the lookup tables (for this weight
+    format) unless `config` is given.
     """
     if x.ndim < 1:
         raise ValueError("ffn: x must have at least one dimension")

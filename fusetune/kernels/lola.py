@@ -13,7 +13,7 @@ orders of magnitude above their spread (normalized hidden states); the reference
 two-pass LayerNorm.
 
 Tunables (search_spaces/lola.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K,
-ACT_FP8, UNROLL_K, TMA, num_warps, num_stages.
+ACT_FP8, UNROLL_K, SPREAD, TMA, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from fusetune.kernels._matmul import (
     MATMUL_FLAGS,
     MATMUL_POW2_KEYS,
     MATMUL_TOLERANCE,
+    block_rows,
     collapse_tiles,
     collapse_tma,
     default_tiles,
@@ -91,12 +92,13 @@ def _lola_kernel(
     ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
     W_SCALED: tl.constexpr,  # W has per-output-channel scales SW
     UNROLL_K: tl.constexpr,  # BLOCK_M == 1: two K-steps per loop iteration (gemv_one_product)
+    SPREAD: tl.constexpr,  # BLOCK_M == 1: the program's BLOCK_N columns far apart (block_rows)
     TMA: tl.constexpr,  # X and W are TMA descriptors (PASSES == 2, see tma_one_product)
 ):
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = block_rows(pid_n, N, BLOCK_N, SPREAD)  # rows of W, columns of OUT
     m_ok = rm < M
     n_ok = rn < N
     mn_ok = m_ok[:, None] & n_ok[None, :]
@@ -293,7 +295,8 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
             PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
             IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act, W_SCALED=sw is not None,
-            UNROLL_K=config.get("UNROLL_K", 0), TMA=descs is not None,
+            UNROLL_K=config.get("UNROLL_K", 0),
+            SPREAD=int(bool(config.get("SPREAD")) and bm == 1), TMA=descs is not None,
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -317,8 +320,8 @@ def lola(
     `weight` is in x's dtype, or FP8 (torch.float8_e4m3fn or float8_e5m2, e.g. from
     fusetune.quantize_fp8) with optional float32 scales per output channel `weight_scale`
     [out_features] (None: 1), W = weight_scale[:, None] · weight. The config (BLOCK_M,
-    BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, TMA, num_warps, num_stages)
-    comes from the lookup tables (for this weight format) unless `config` is given.
+    BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, TMA, num_warps,
+    num_stages) comes from the lookup tables (for this weight format) unless `config` is given.
     """
     if x.ndim < 1:
         raise ValueError("lola: x must have at least one dimension")
@@ -456,8 +459,8 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     tolerance=MATMUL_TOLERANCE,
-    source_objects=(_lola_kernel, _layernorm_kernel, row_norm_stats, grouped_tile, k_slice,
-                    partial_ptrs, dot, gemv_one_product, tma_one_product, mma_weight,
+    source_objects=(_lola_kernel, _layernorm_kernel, row_norm_stats, grouped_tile, block_rows,
+                    k_slice, partial_ptrs, dot, gemv_one_product, tma_one_product, mma_weight,
                     scale_product, _launch_2d, layernorm_rows, *fp8.FP8_SOURCES),
     flags=MATMUL_FLAGS,
     weight_formats=WEIGHT_FORMATS,

@@ -14,7 +14,7 @@ rstd per row in the epilogue). V goes through the same code with a zero angle. T
 in x's dtype or in FP8 with per-output-channel scales (fp8.py), applied before RoPE.
 
 Tunables (search_spaces/qkv.yaml): BLOCK_M, BLOCK_N (pairs per program), BLOCK_K, GROUP_M,
-PASSES, SPLIT_K, ACT_FP8, UNROLL_K, TMA, num_warps, num_stages.
+PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, TMA, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from fusetune.kernels._matmul import (
     MATMUL_POW2_KEYS,
     MATMUL_TOLERANCE,
     TWO_PRODUCT_SOURCES,
+    block_rows,
     collapse_tiles,
     collapse_tma,
     default_tiles,
@@ -101,6 +102,7 @@ def _qkv_kernel(
     ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
     W_SCALED: tl.constexpr,  # the weights have per-output-channel scales SQ, SK, SV
     UNROLL_K: tl.constexpr,  # BLOCK_M == 1: two K-steps per loop iteration (gemv_two_products)
+    SPREAD: tl.constexpr,  # BLOCK_M == 1: the program's BLOCK_N pairs far apart (block_rows)
     TMA: tl.constexpr,  # X and the weight rows are read through descriptors (tma_two_products)
 ):
     # Column-blocks of the three matrices side by side: [Q blocks | K blocks | V blocks].
@@ -125,7 +127,7 @@ def _qkv_kernel(
         SW = SV
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    p = blk * BLOCK_N + tl.arange(0, BLOCK_N)  # pair index within the matrix
+    p = block_rows(blk, n_pairs, BLOCK_N, SPREAD)  # pair index within the matrix
     m_ok = rm < M
     p_ok = p < n_pairs
     mp_ok = m_ok[:, None] & p_ok[None, :]
@@ -193,7 +195,7 @@ def _qkv_kernel(
         yb = a * sin + b * cos
         # Outputs are contiguous [M, N]: row stride 2 · n_pairs.
         o_row = Y + rm[:, None].to(tl.int64) * (2 * n_pairs)
-        if INTERLEAVED:
+        if INTERLEAVED and not SPREAD:
             # Pair p is columns 2p and 2p + 1: the tile's pairs are 2·BLOCK_N contiguous
             # columns from 2·blk·BLOCK_N. Interleaving ya and yb in registers makes that one
             # row of wide stores instead of two scattered 2-byte ones.
@@ -201,7 +203,7 @@ def _qkv_kernel(
             c = blk * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
             tl.store(o_row + c[None, :], y.to(Y.dtype.element_ty),
                      mask=m_ok[:, None] & (c < 2 * n_pairs)[None, :])
-        else:
+        else:  # the pairs' columns a and b, wherever they lie
             tl.store(o_row + col_a[None, :], ya.to(Y.dtype.element_ty), mask=mp_ok)
             tl.store(o_row + col_b[None, :], yb.to(Y.dtype.element_ty), mask=mp_ok)
 
@@ -273,7 +275,8 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
             GROUP_M=config["GROUP_M"], INTERLEAVED=interleaved, PASSES=config["PASSES"],
             SPLIT_K=split, FINISH=finish, IEEE=x.dtype == torch.float32, W_FP8=w_fp8,
             ACT_FP8=act, W_SCALED=scales is not None, UNROLL_K=config.get("UNROLL_K", 0),
-            TMA=descs is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
+            SPREAD=int(bool(config.get("SPREAD")) and gemv), TMA=descs is not None,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
     launch((tiles, split), False)
@@ -306,8 +309,8 @@ def qkv(
     wq, wk and wv are in x's dtype, or all three FP8 (torch.float8_e4m3fn or float8_e5m2, e.g.
     from fusetune.quantize_fp8) with optional float32 scales per output channel `wq_scale`
     [Nq], `wk_scale`, `wv_scale` [Nkv] (None: 1). The config (BLOCK_M, BLOCK_N, BLOCK_K,
-    GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, TMA, num_warps, num_stages) comes from the lookup
-    tables (for this weight format) unless `config` is given.
+    GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, TMA, num_warps, num_stages) comes from the
+    lookup tables (for this weight format) unless `config` is given.
     """
     if x.ndim != 3:
         raise ValueError(f"qkv: x must be [batch, seq, dim], got shape {tuple(x.shape)}")

@@ -277,8 +277,10 @@ def load_grid(store: Store, storage: optuna.storages.BaseStorage, row: PointRow,
     point = Point.make(row.kernel, dims, row.batch, row.seq, row.dtype, row.weights)
     gpu = gpus.resolve(row.gpu)
     plan = make_plan(space, spec, point, gpu)
-    measured = {k: Measured(r.status, r.time_us, r.compile_s)
-                for k, r in store.results(row.id).items()}
+    # Keyed as today's configs are: a flag the kernel gained after the grid ran (absent from
+    # its stored configs) had its default value there.
+    measured = {config_key({**spec.flags, **r.config}): Measured(r.status, r.time_us, r.compile_s)
+                for r in store.results(row.id).values()}
     key = PointKey(row.gpu, row.kernel, dims, row.batch, row.seq, row.dtype, row.weights,
                    row.backend, row.kernel_hash, row.triton_version, row.torch_version)
     eval_s, timed = recorded_eval_time(storage, row.study_name)

@@ -91,7 +91,8 @@ def start_configs(spec: KernelSpec, point: Point, space: SearchSpace, plan: Plan
     out, seen = [default], {config_key(default)}
     for c in [default, *neighbours]:
         try:
-            canon = spec.canonical(c, point)
+            # A winner stored before the kernel gained a flag ran with the flag's default.
+            canon = spec.canonical({**spec.flags, **c}, point)
             if config_key(canon) not in plan.representative:
                 canon = spec.canonical(space.nearest(canon), point)
         except (KeyError, TypeError, ValueError):  # a winner of an older kernel's config keys

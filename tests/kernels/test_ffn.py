@@ -111,6 +111,32 @@ def test_gemv_whole_rows(rows: int, unroll: int, warps: int) -> None:
                                 "num_warps": warps, "num_stages": 1})
 
 
+@pytest.mark.parametrize(("rows", "split", "unroll", "passes"),
+                         [(8, 1, 0, 1), (4, 2, 1, 1), (2, 1, 1, 2), (16, 4, 0, 2)])
+def test_gemv_spread_rows(rows: int, split: int, unroll: int, passes: int) -> None:
+    # SPREAD = 1: program p takes rows p, p + P, ... (P = cdiv(37, rows) programs); 37 hidden
+    # rows leave the last program(s) part of a block past the end. Every output comes from
+    # the same K loop as with adjacent rows, so the two results are bit-identical.
+    x, g, w1, w3 = make(3, 300, 37, torch.float16)
+    config = {"BLOCK_M": 1, "BLOCK_N": rows, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": passes,
+              "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1}
+    spread = check(x, g, w1, w3, config={**config, "SPREAD": 1})
+    assert torch.equal(spread, fusetune.ffn(x, g, w1, w3, config={**config, "SPREAD": 0}))
+
+
+def test_spread_only_where_rows_can_lie_apart() -> None:
+    gemv = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
+            "SPLIT_K": 1, "UNROLL_K": 1, "SPREAD": 1, "num_warps": 4, "num_stages": 1}
+    assert SPEC.canonical(gemv, point(1))["SPREAD"] == 1
+    assert SPEC.canonical({**gemv, "BLOCK_N": 1}, point(1))["SPREAD"] == 0  # one row
+    # Tensor-core tiles store whole rows of adjacent columns.
+    assert SPEC.canonical({**gemv, "BLOCK_M": 16, "BLOCK_N": 64}, point(16))["SPREAD"] == 0
+    one_block = Point.make("ffn", {"dim": 4096, "hidden": 8}, 1, 1, "float16")
+    assert SPEC.canonical(gemv, one_block)["SPREAD"] == 0  # all 8 rows in one program
+    # Tables written before the flag mean 0.
+    assert SPEC.validate_config({k: v for k, v in gemv.items() if k != "SPREAD"})["SPREAD"] == 0
+
+
 TMA_CONFIGS = [
     {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 1,
      "TMA": 1, "num_warps": 4, "num_stages": 2},
@@ -323,9 +349,10 @@ def test_gpu_gemv_structure(dtype: torch.dtype, m: int, split: int, unroll: int)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3])
-def test_gpu_gemv_whole_rows(dtype: torch.dtype, m: int) -> None:
-    # The H100's decode winner: two weight rows per program, the 4096-wide row in one
-    # iteration (two K-steps of 2048).
+@pytest.mark.parametrize("spread", [0, 1])
+def test_gpu_gemv_whole_rows(dtype: torch.dtype, m: int, spread: int) -> None:
+    # Two weight rows per program (adjacent, or half the matrix apart), the 4096-wide row in
+    # one iteration (two K-steps of 2048).
     check(*make(m, 4096, 11008, dtype), config={
         "BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "GROUP_M": 1, "PASSES": 1,
-        "SPLIT_K": 1, "UNROLL_K": 1, "num_warps": 8, "num_stages": 1})
+        "SPLIT_K": 1, "UNROLL_K": 1, "SPREAD": spread, "num_warps": 8, "num_stages": 1})

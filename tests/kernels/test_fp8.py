@@ -247,12 +247,14 @@ def test_fp8_weights_match_dequantizing_reference(kernel: str, fmt: str,
 
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("unroll", [0, 1])
+@pytest.mark.parametrize(("unroll", "rows", "spread"), [(0, 64, 0), (1, 64, 0), (1, 4, 1)])
 @pytest.mark.parametrize("kernel", ["ffn", "qkv", "lola"])
-def test_fp8_weights_one_row_per_program(kernel: str, unroll: int, fmt: str) -> None:
+def test_fp8_weights_one_row_per_program(kernel: str, unroll: int, rows: int, spread: int,
+                                         fmt: str) -> None:
     # BLOCK_M = 1 multiplies without tensor cores (the decode structure); ACT_FP8 = 1 means 0.
-    Case(kernel, fmt, scaled=True).check({**cfg(1, 2, 2, 1), "BLOCK_N": 64,
-                                          "UNROLL_K": unroll}, False)
+    # SPREAD = 1: each program's rows (and their scales) lie far apart.
+    Case(kernel, fmt, scaled=True).check({**cfg(1, 2, 2, 1), "BLOCK_N": rows,
+                                          "UNROLL_K": unroll, "SPREAD": spread}, False)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -579,9 +581,14 @@ GPU_CONFIGS = {
     # one row per program: e4m3 through Triton's conversion on sm_89+, two K-steps a loop
     "gemv": {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
              "SPLIT_K": 2, "ACT_FP8": 0, "UNROLL_K": 1, "num_warps": 4, "num_stages": 1},
+    # its rows (pairs) spread over the matrix, with the per-channel scales that go with them
+    "gemv-spread": {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "GROUP_M": 1, "PASSES": 1,
+                    "SPLIT_K": 1, "ACT_FP8": 0, "UNROLL_K": 1, "SPREAD": 1, "num_warps": 2,
+                    "num_stages": 1},
 }
 GPU_CASES = [("decode-split", 1), ("decode-split", 37), ("prefill-upcast", 300),
-             ("prefill-fp8mma", 300), ("fp8mma-split", 37), ("gemv", 1), ("gemv", 3)]
+             ("prefill-fp8mma", 300), ("fp8mma-split", 37), ("gemv", 1), ("gemv", 3),
+             ("gemv-spread", 1)]
 
 
 @pytest.mark.gpu

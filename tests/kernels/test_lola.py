@@ -73,6 +73,18 @@ def test_gemv_awkward_width_d3000(passes: int, split: int, unroll: int) -> None:
                   "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1})
 
 
+@pytest.mark.parametrize(("rows", "passes", "split", "unroll"),
+                         [(8, 1, 1, 1), (4, 2, 2, 0), (16, 1, 4, 0)])
+def test_gemv_spread_rows(rows: int, passes: int, split: int, unroll: int) -> None:
+    # SPREAD = 1 over 37 output rows (the last block part past the end), the LayerNorm folded
+    # in or not, K split: bit-identical to adjacent rows (the same K loop per output).
+    x, w, b = make(2, 300, 37, torch.float16)
+    config = {"BLOCK_M": 1, "BLOCK_N": rows, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": passes,
+              "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1}
+    spread = check(x, w, b, config={**config, "SPREAD": 1})
+    assert torch.equal(spread, fusetune.lola(x, w, b, config={**config, "SPREAD": 0}))
+
+
 @pytest.mark.parametrize("config", [
     {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
      "num_warps": 2, "num_stages": 2},
@@ -221,13 +233,15 @@ def test_gpu_gpt_dims(dtype: torch.dtype, m: int, d: int, n: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("m", "passes", "split", "unroll"),
-                         [(1, 1, 1, 0), (1, 2, 4, 0), (3, 1, 2, 0), (1, 1, 1, 1), (1, 2, 2, 1)])
-def test_gpu_gemv_structure(dtype: torch.dtype, m: int, passes: int, split: int, unroll: int
-                            ) -> None:
+@pytest.mark.parametrize(("m", "passes", "split", "unroll", "spread"),
+                         [(1, 1, 1, 0, 0), (1, 2, 4, 0, 0), (3, 1, 2, 0, 0), (1, 1, 1, 1, 0),
+                          (1, 2, 2, 1, 0), (1, 1, 1, 1, 1), (3, 2, 2, 0, 1)])
+def test_gpu_gemv_structure(dtype: torch.dtype, m: int, passes: int, split: int, unroll: int,
+                            spread: int) -> None:
     check(*make(m, 4096, 16384, dtype), config={
         "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": passes,
-        "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 4, "num_stages": 1})
+        "SPLIT_K": split, "UNROLL_K": unroll, "SPREAD": spread, "num_warps": 4,
+        "num_stages": 1})
 
 
 @pytest.mark.gpu

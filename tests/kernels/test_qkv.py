@@ -126,6 +126,24 @@ def test_configs(config: dict[str, int]) -> None:
     check(make(2, 35, 96, 6, 2, 12, torch.float16), 12, start_pos=1, config=config)
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize(("pairs", "split", "unroll"), [(4, 1, 1), (8, 2, 0), (2, 1, 0)])
+def test_gemv_spread_pairs(interleaved: bool, pairs: int, split: int, unroll: int) -> None:
+    # SPREAD = 1: a program's pairs lie cdiv(n_pairs, BLOCK_N) apart in their matrix, across
+    # heads (12 heads of 12 for Q, 3 of K and V: 72 and 18 pairs), stored column by column.
+    # The same K loop as with adjacent pairs: bit-identical outputs.
+    tensors = make(1, 2, 96, 12, 3, 12, torch.float16)
+    config = {"BLOCK_M": 1, "BLOCK_N": pairs, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1,
+              "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1}
+    spread = check(tensors, 12, start_pos=3, interleaved=interleaved,
+                   config={**config, "SPREAD": 1})
+    x, g, wq, wk, wv = tensors
+    adjacent = fusetune.qkv(x, g, wq, wk, wv, 3, head_dim=12, interleaved=interleaved,
+                            config={**config, "SPREAD": 0})
+    for a, b in zip(spread, adjacent, strict=True):
+        assert torch.equal(a, b)
+
+
 TMA = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 1,
        "TMA": 1, "num_warps": 4, "num_stages": 2}
 
@@ -311,10 +329,12 @@ def test_sincos_accuracy() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "unroll"), [(1, 0), (4, 0), (1, 1)])
-def test_gpu_gemv_structure(dtype: torch.dtype, interleaved: bool, rows: int, unroll: int
-                            ) -> None:
+@pytest.mark.parametrize(("rows", "unroll", "spread"), [(1, 0, 0), (4, 0, 0), (1, 1, 0),
+                                                    (1, 1, 1), (3, 0, 1)])
+def test_gpu_gemv_structure(dtype: torch.dtype, interleaved: bool, rows: int, unroll: int,
+                            spread: int) -> None:
     config = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
-              "SPLIT_K": 2, "UNROLL_K": unroll, "num_warps": 4, "num_stages": 2}
+              "SPLIT_K": 2, "UNROLL_K": unroll, "SPREAD": spread, "num_warps": 4,
+              "num_stages": 2}
     check(make(1, rows, 4096, 32, 8, 128, dtype), 128, start_pos=4000, interleaved=interleaved,
           config=config)
