@@ -9,6 +9,9 @@
 #   heldout3  eight more on shapes no earlier grid had (Llama-2-13B's ffn and qkv, Llama-2-70B,
 #             GPT-2 medium's lola), timed after the search's seeding from the lookup tables
 #             and other dims was built on the grids above
+#   spread    decode grids of the sub-space with SPREAD (*_gemv_spread.yaml) on other models'
+#             shapes (Llama-3-8B, Llama-2-13B, Llama-2-70B), timed after SPREAD and the shipped
+#             entries it gave (Llama-2-7B qkv) were chosen on the Llama-2-7B grids
 grid_pairs() {
   local s=benchmarks/grid_spaces
   case $1 in
@@ -45,6 +48,13 @@ grid_pairs() {
       echo "lola_medium_prefill --kernel lola --dims dim=1024,out=4096 --batch 1 --seq 4096 --space $s/lola_prefill_tma.yaml"
       echo "rmsnorm_70b_batch16 --kernel rmsnorm --model llama-2-70b --batch 16 --seq 1"
       ;;
-    *) echo "unknown grid set '$1' (valid: main, heldout, heldout2, heldout3)" >&2; return 2 ;;
+    spread)
+      echo "qkv_l3_spread --kernel qkv --model llama-3-8b --batch 1 --seq 1 --space $s/qkv_gemv_spread.yaml"
+      echo "qkv_13b_spread --kernel qkv --model llama-2-13b --batch 1 --seq 1 --space $s/qkv_gemv_spread.yaml"
+      echo "qkv_70b_spread --kernel qkv --model llama-2-70b --batch 1 --seq 1 --space $s/qkv_gemv_spread.yaml"
+      echo "ffn_l3_spread --kernel ffn --model llama-3-8b --batch 1 --seq 1 --space $s/ffn_gemv_spread.yaml"
+      echo "lola_13b_spread --kernel lola --dims dim=5120,out=13824 --batch 1 --seq 1 --space $s/lola_gemv_spread.yaml"
+      ;;
+    *) echo "unknown grid set '$1' (valid: main, heldout, heldout2, heldout3, spread)" >&2; return 2 ;;
   esac
 }

@@ -12,6 +12,12 @@ the copy `y.copy_(x)`:
   (2 stages) or not.
 
     python -m benchmarks.rmsnorm_copy_gap [--rows 4096] [--rounds 3] [--graph] [--liger]
+    python -m benchmarks.rmsnorm_copy_gap --placement [--rows 4096]
+
+--placement instead sweeps where the output lies: for outputs at 0-64 MB (2 MB steps, and a
+few offsets off the 2 MB grid) into one large buffer, the copy `y.copy_(x)` and the kernel
+(tuned config) writing into that very `y`, side by side (graph replays, both), to tell whether
+the copy's speed in a given process comes from where its output lies.
 
 With several --rows (e.g. 1,4096,16384, as bench_rmsnorm allocates them) every case is timed,
 with --graph the kernels as CUDA-graph replays (the copy stays a plain call, as in
@@ -94,6 +100,40 @@ def add_variants(case: dict[str, object]) -> None:
         fns[f"persistent, {per_sm}/SM, {warps} warps, {stages} stages"] = persistent
 
 
+def placement_sweep(rows: int, dim: int, gpu: GpuSpec, rounds: int) -> None:
+    """The copy and the tuned kernel writing into the same output, for outputs at many offsets
+    of one buffer (x fixed), each timed as a graph replay; a table per dtype."""
+    from benchmarks.timing import as_graph, median_us
+
+    offsets = [i * 2**21 for i in range(33)] + [2**16, 2**20 + 2**16, 3 * 2**19]
+    for dtype in ("float16", "bfloat16"):
+        case = bench_rmsnorm.make_case(rows, dim, dtype, gpu, lambda x, w: None, None)
+        x, w, cfg = case["x"], case["w"], case["tuned_cfg"]  # type: ignore[misc]
+        n = x.numel()
+        buf = torch.empty(n + offsets[-4] // x.element_size() + 2**22, dtype=x.dtype,
+                          device=x.device)
+        print(f"\n{dtype} {rows} x {dim}: x at 0x{x.data_ptr():x}, buffer at "
+              f"0x{buf.data_ptr():x}\n")
+        print("| output offset in the buffer (bytes) | copy µs | kernel µs | kernel / copy |")
+        print("|---:|---:|---:|---:|")
+        ratios, copies, kernels = [], [], []
+        for off in offsets:
+            y = buf[off // x.element_size():][:n].view(rows, dim)
+            fns = [as_graph(lambda y=y, x=x: y.copy_(x)),
+                   as_graph(lambda y=y, x=x, w=w, cfg=cfg: _launch_2d(x, w, y, 1e-6, cfg))]
+            times: list[list[float]] = [[], []]
+            for _ in range(rounds):
+                for fn, acc in zip(fns, times, strict=True):
+                    acc.append(median_us(fn))
+            c, k = (sorted(t)[len(t) // 2] for t in times)
+            copies.append(c)
+            kernels.append(k)
+            ratios.append(k / c)
+            print(f"| {off} | {c:.1f} | {k:.1f} | {k / c:.2f} |", flush=True)
+        print(f"\ncopy {min(copies):.1f}-{max(copies):.1f} µs, kernel {min(kernels):.1f}-"
+              f"{max(kernels):.1f} µs, kernel / copy {min(ratios):.2f}-{max(ratios):.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="4096", help="row counts, comma-separated")
@@ -101,11 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--graph", action="store_true", help="kernels as CUDA-graph replays")
     ap.add_argument("--liger", action="store_true", help="Liger Kernel's RMSNorm too")
+    ap.add_argument("--placement", action="store_true",
+                    help="sweep the output's place instead (copy and kernel into the same y)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     gpu: GpuSpec = gpu_for_device(torch.device("cuda"))
+    if args.placement:
+        print(f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
+              f"Triton {triton.__version__}; median µs of do_bench (L2 flushed), CUDA-graph "
+              f"replays, median of {args.rounds} interleaved rounds")
+        for rows in (int(r) for r in args.rows.split(",")):
+            placement_sweep(rows, args.dim, gpu, args.rounds)
+        return 0
     print(f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, Triton "
           f"{triton.__version__}; median µs of do_bench (L2 flushed), "
           f"{'CUDA-graph replays (the copy: plain calls)' if args.graph else 'plain calls'}, "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Exhaustive grids for `fusetune evaluate-search` on the GPU machine, within BUDGET_S seconds
-# (default 540): GRID_SET=main (default), heldout, heldout2 or heldout3 (benchmarks/grid_sets.sh lists
+# (default 540): GRID_SET=main (default), heldout, heldout2, heldout3 or spread (grid_sets.sh lists
 # their pairs); each on its sub-space in benchmarks/grid_spaces/
 # (the full spaces hold 2,000-20,000 feasible configs a point). Resumable: a GRID_DB file
 # (default grid.db, an ignored file) travels with the working tree, is copied to $OUT/grid.db,
