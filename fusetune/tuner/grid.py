@@ -285,5 +285,6 @@ def load_grid(store: Store, storage: optuna.storages.BaseStorage, row: PointRow,
                    row.backend, row.kernel_hash, row.triton_version, row.torch_version)
     eval_s, timed = recorded_eval_time(storage, row.study_name)
     return StoredGrid(point, plan, measured, spec.canonical(spec.default_config(point, gpu), point),
-                      neighbour_winners(store, key, row.id, same_shape=False), eval_s, timed,
+                      neighbour_winners(store, key, row.id, same_shape=False,
+                                        flags=spec.flags), eval_s, timed,
                       f"stored point {row.id}", row.kernel_hash)

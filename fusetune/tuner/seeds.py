@@ -45,13 +45,16 @@ def point_distance(dims: Mapping[str, int], rows: int, dtype: str,
 
 def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
                       limit: int = NEIGHBOURS, *, use_tables: bool = True,
-                      same_shape: bool = True) -> list[Config]:
+                      same_shape: bool = True, flags: Mapping[str, int] | None = None
+                      ) -> list[Config]:
     """Distinct winners of the `limit` points nearest to `key` (point_distance, at most
     MAX_DISTANCE; among equals the database's before the tables', newest first), leaving out
     the point `point_id` itself. use_tables: the lookup tables' entries for key.gpu count as
     points too. same_shape=False also leaves out winners of key's very shape (dims, rows,
     dtype) stored under another version or in a table: what a replay does, where those may
-    come from the grid itself."""
+    come from the grid itself. `flags` (KernelSpec.flags): a winner stored before the kernel
+    gained a flag ran with the flag's default, and is returned with it (as the tables'
+    validated entries are), so that it is the same config as its twin in a table."""
     rows = max(1, key.batch * key.seq)
     found: list[tuple[float, int, Config]] = []
 
@@ -64,7 +67,8 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
 
     for p, w in store.winners(gpu=key.gpu, kernel=key.kernel):  # newest first
         if p.id != point_id and p.weights == key.weights and p.backend == key.backend:
-            consider(json.loads(p.dims), max(1, p.batch * p.seq), p.dtype, w.config)
+            consider(json.loads(p.dims), max(1, p.batch * p.seq), p.dtype,
+                     {**(flags or {}), **w.config})
     if use_tables and key.backend == "cuda":
         for dims, dtype, n_rows, config in tables.tuned_entries(key.gpu, key.kernel,
                                                                 key.weights):
@@ -91,8 +95,7 @@ def start_configs(spec: KernelSpec, point: Point, space: SearchSpace, plan: Plan
     out, seen = [default], {config_key(default)}
     for c in [default, *neighbours]:
         try:
-            # A winner stored before the kernel gained a flag ran with the flag's default.
-            canon = spec.canonical({**spec.flags, **c}, point)
+            canon = spec.canonical(c, point)
             if config_key(canon) not in plan.representative:
                 canon = spec.canonical(space.nearest(canon), point)
         except (KeyError, TypeError, ValueError):  # a winner of an older kernel's config keys
