@@ -213,6 +213,13 @@ def _user_tables() -> Tables | None:
     return _user
 
 
+def _tables_in_order() -> list[Tables]:
+    """The tables a lookup reads, in the order it reads them: the loaded ones (load_tables,
+    FUSETUNE_TABLES), then the shipped ones."""
+    user = _user_tables()
+    return [user, _shipped_tables()] if user is not None else [_shipped_tables()]
+
+
 def reset() -> None:
     """Forgets loaded tables, cached lookups and warnings (FUSETUNE_TABLES is read again)."""
     global _user, _shipped
@@ -256,9 +263,7 @@ def tuned_entries(gpu: str, kernel: str, weights: str = "") -> list[TunedEntry]:
     and row count): the loaded tables' first, then the shipped ones'. A search starts from the
     nearest of them (fusetune.tuner.seeds)."""
     out: list[TunedEntry] = []
-    for tables in (_user_tables(), _shipped_tables()):
-        if tables is None:
-            continue
+    for tables in _tables_in_order():
         for (g, k, dims, dtype, w), entries in tables.groups.items():
             if g == gpu and k == kernel and w == weights:
                 out += [(dims, dtype, rows, config) for rows, config in entries]
@@ -279,9 +284,7 @@ def _resolve(kernel: str, dims: tuple[tuple[str, int], ...], dtype: str, rows: i
 
     group: GroupKey = (gpu.name, kernel, dims, dtype, weights)
     tuned: list[tuple[int, Config]] = []
-    for tables in (_user_tables(), _shipped_tables()):
-        if tables is None:
-            continue
+    for tables in _tables_in_order():
         entries = tables.groups.get(group)
         if entries:
             found = _nearest(rows, entries)
