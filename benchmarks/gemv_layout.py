@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from benchmarks.timing import as_graph, median_us
+from benchmarks.timing import as_graph, interleaved_medians
 from fusetune import models
 from fusetune.kernels import get_spec
 from fusetune.kernels._spec import Config, Point
@@ -78,15 +78,11 @@ def main() -> int:
             fns[name] = as_graph(launcher(config)) if out.ok else None
             if not out.ok:
                 print(f"{name} {tile}: {out.status} {out.reason}", file=sys.stderr)
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for _ in range(3):
-            for name, fn in fns.items():
-                if fn is not None:
-                    times[name].append(median_us(fn))
+        times = interleaved_medians(fns, 3)
         cells = []
         for name, (_, _, nbytes) in cases.items():
-            t = sorted(times[name])
-            cells.append(f"{t[1]:.1f} ({t[1] / (nbytes / 1e6):.3f})" if t else "-")
+            t = times[name]
+            cells.append(f"{t:.1f} ({t / (nbytes / 1e6):.3f})" if t is not None else "-")
         print(f"| {tile[0]} × {tile[1]}, U{tile[2]}, {tile[3]}w | " + " | ".join(cells) + " |",
               flush=True)
     return 0

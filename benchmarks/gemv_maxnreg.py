@@ -25,7 +25,7 @@ import triton
 
 from benchmarks.bench_decode import READ_SHAPES
 from benchmarks.bench_read_bw import read_us
-from benchmarks.timing import as_graph, median_us
+from benchmarks.timing import as_graph, interleaved_medians
 from fusetune import models
 from fusetune.kernels import ffn as ffn_mod
 from fusetune.kernels import get_spec
@@ -91,15 +91,11 @@ def main(argv: list[str] | None = None) -> int:
                                     spec.launch(ev.inputs, ev.outputs, config))
             finally:
                 setattr(module, attr, original)
-        times: dict[int | None, list[float]] = {cap: [] for cap in CAPS}
-        for _ in range(args.rounds):
-            for cap, fn in fns.items():
-                if fn is not None:
-                    times[cap].append(median_us(fn))
+        times = interleaved_medians(fns, args.rounds)
         nbytes = spec.cost(point).bytes
         x = torch.empty(nbytes // 2, device="cuda", dtype=torch.float16).normal_()
         read = min(read_us(x, *s) for s in READ_SHAPES)
-        cells = [f"{sorted(t)[len(t) // 2]:.1f}" if t else "-" for t in times.values()]
+        cells = [f"{t:.1f}" if t is not None else "-" for t in times.values()]
         print(f"| {name} | {weights or 'fp16'} | " + " | ".join(cells) + f" | {read:.1f} |",
               flush=True)
     return 0

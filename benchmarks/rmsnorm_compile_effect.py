@@ -23,18 +23,9 @@ import torch
 import triton
 
 from benchmarks import bench_rmsnorm
-from benchmarks.timing import as_graph, median_us
+from benchmarks.timing import Fn, as_graph, interleaved_medians
 from fusetune.kernels.rmsnorm import _launch_2d
 from fusetune.tables import gpu_for_device
-
-
-def time_all(fns: dict[str, object], rounds: int = 3) -> dict[str, float]:
-    graphs = {k: as_graph(f) for k, f in fns.items()}  # type: ignore[arg-type]
-    times: dict[str, list[float]] = {k: [] for k in graphs}
-    for _ in range(rounds):
-        for k, g in graphs.items():
-            times[k].append(median_us(g))
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [bench_rmsnorm.make_case(4096, 4096, dt, gpu, lambda x, w: None, liger)
              for dt in ("float16", "bfloat16")]
 
-    def fns(case: dict[str, object]) -> dict[str, object]:
+    def fns(case: dict[str, object]) -> dict[str, Fn]:
         x, w, y, cfg = case["x"], case["w"], case["y"], case["tuned_cfg"]
         out = {"copy": lambda: y.copy_(x),  # type: ignore[union-attr]
                "tuned": lambda: _launch_2d(x, w, torch.empty_like(x), 1e-6, cfg)}
@@ -66,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(when: str) -> None:
         for case in cases:
-            t = time_all(fns(case))
+            t = interleaved_medians({k: as_graph(f) for k, f in fns(case).items()}, 3)
             print(f"| {case['dtype']} | {when} | {t['copy']:.1f} | {t['tuned']:.1f} | "
                   f"{t.get('liger', float('nan')):.1f} | {100 * t['copy'] / t['tuned']:.0f}% |",
                   flush=True)

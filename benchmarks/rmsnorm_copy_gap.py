@@ -103,7 +103,7 @@ def add_variants(case: dict[str, object]) -> None:
 def placement_sweep(rows: int, dim: int, gpu: GpuSpec, rounds: int) -> None:
     """The copy and the tuned kernel writing into the same output, for outputs at many offsets
     of one buffer (x fixed), each timed as a graph replay; a table per dtype."""
-    from benchmarks.timing import as_graph, median_us
+    from benchmarks.timing import as_graph, interleaved_medians
 
     offsets = [i * 2**21 for i in range(33)] + [2**16, 2**20 + 2**16, 3 * 2**19]
     for dtype in ("float16", "bfloat16"):
@@ -119,13 +119,11 @@ def placement_sweep(rows: int, dim: int, gpu: GpuSpec, rounds: int) -> None:
         ratios, copies, kernels = [], [], []
         for off in offsets:
             y = buf[off // x.element_size():][:n].view(rows, dim)
-            fns = [as_graph(lambda y=y, x=x: y.copy_(x)),
-                   as_graph(lambda y=y, x=x, w=w, cfg=cfg: _launch_2d(x, w, y, 1e-6, cfg))]
-            times: list[list[float]] = [[], []]
-            for _ in range(rounds):
-                for fn, acc in zip(fns, times, strict=True):
-                    acc.append(median_us(fn))
-            c, k = (sorted(t)[len(t) // 2] for t in times)
+            t = interleaved_medians({
+                "copy": as_graph(lambda y=y, x=x: y.copy_(x)),
+                "kernel": as_graph(lambda y=y, x=x, w=w, cfg=cfg: _launch_2d(x, w, y, 1e-6, cfg)),
+            }, rounds)
+            c, k = t["copy"], t["kernel"]
             copies.append(c)
             kernels.append(k)
             ratios.append(k / c)

@@ -12,9 +12,9 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from triton.testing import do_bench
@@ -22,6 +22,7 @@ from triton.testing import do_bench
 from fusetune.tuner.bench import captured_launch
 
 Fn = Callable[[], object]
+K = TypeVar("K")
 # A copy is timed as a plain call (its launch path is short enough not to leave the GPU idle),
 # as in every earlier run.
 PLAIN = frozenset({"copy"})
@@ -72,6 +73,18 @@ def run(args: argparse.Namespace, cases: Sequence[dict[str, Any]]
 
 def median_us(fn: Fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def interleaved_medians(fns: Mapping[K, Fn | None], rounds: int) -> dict[K, float | None]:
+    """median_us of each of `fns` (None: left out, its result None) in `rounds` rounds that
+    take them in turn, then the median over the rounds: what the diagnostics compare side by
+    side (time_cases does the same over several cases)."""
+    times: dict[K, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            if fn is not None:
+                times[k].append(median_us(fn))
+    return {k: statistics.median(v) if v else None for k, v in times.items()}
 
 
 def as_graph(fn: Fn) -> Fn:
