@@ -68,10 +68,10 @@ def counted(what: str, name: str, fn: Callable[[], object]) -> list[Any]:
 
 
 def profile_case(kernel: str, dims: dict[str, int], dtype: str, launches: int,
-                 two_pass: bool) -> None:
+                 two_pass: bool, weights: str = "") -> None:
     spec = get_spec(kernel)
-    point = Point.make(kernel, dims, 1, 1, dtype)
-    shipped = spec.canonical(lookup(kernel, dims, dtype, rows=1), point)
+    point = Point.make(kernel, dims, 1, 1, dtype, weights)
+    shipped = spec.canonical(lookup(kernel, dims, dtype, rows=1, weights=weights), point)
     configs = [("shipped", shipped)]
     if two_pass:
         configs.append(("two-pass", spec.canonical(shipped | {"PASSES": 2}, point)))
@@ -104,6 +104,8 @@ def profile_case(kernel: str, dims: dict[str, int], dtype: str, launches: int,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--weights", default="", choices=["", "fp8-e4m3", "fp8-e5m2"],
+                    help="weight format (default: the activations' dtype)")
     ap.add_argument("--launches", type=int, default=2, help="launches of each kernel")
     ap.add_argument("--two-pass", action="store_true",
                     help="also each config with PASSES = 2 (norm pass first)")
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{triton.__version__}", flush=True)
     for kernel, model, dims in CASES[:3]:
         dims = dims or get_spec(kernel).dims_from_model(models.preset(model))
-        profile_case(kernel, dims, args.dtype, args.launches, args.two_pass)
+        profile_case(kernel, dims, args.dtype, args.launches, args.two_pass, args.weights)
     return 0
 
 

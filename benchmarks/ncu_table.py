@@ -4,8 +4,10 @@ Reads ncu's raw page as CSV (`ncu --csv --page raw ... --log-file NCU.csv`) and 
 standard output (whose lines "check NAME kernels=N" and "launch NAME kernels=N" say which
 Triton kernels each step launched, in the order ncu saw them); prints, per profiled kernel of
 the last launch of each name: duration, DRAM throughput and bytes, achieved and theoretical
-occupancy, registers, waves, issue-slot use, L2 hit rate and the three largest warp stall
-reasons (warps stalled per issued instruction).
+occupancy, registers, waves, issue-slot use, L2 hit rate, the three largest warp stall
+reasons (warps stalled per issued instruction) and, where the run collected them
+(`--section ComputeWorkloadAnalysis`), the three busiest execution pipes (instructions issued
+to each as % of its peak while the SM was active).
 
     python -m benchmarks.ncu_table NCU.csv PROFILE.log
 """
@@ -29,6 +31,7 @@ COLUMNS = (  # (heading, metric, scale to the unit shown)
     ("L2 hit %", "lts__t_sector_hit_rate.pct", 1.0),
 )
 _STALL = re.compile(r"^smsp__average_warps_issue_stalled_(.+)_per_issue_active\.ratio$")
+_PIPE = re.compile(r"^sm__inst_executed_pipe_(.+)\.avg\.pct_of_peak_sustained_active$")
 _STEP = re.compile(r"^(check|launch) (.+) kernels=(\d+)$")
 _TIME_SCALE = {"ns": 1e-3, "nsecond": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
                "ms": 1e3}
@@ -69,10 +72,11 @@ def cell(row: dict[str, str], units: dict[str, str], metric: str, scale: float |
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}"
 
 
-def stalls(row: dict[str, str]) -> str:
-    found = [(number(v) or 0.0, m[1]) for k, v in row.items() if (m := _STALL.match(k))]
+def top(row: dict[str, str], pattern: re.Pattern[str], n: int = 3) -> str:
+    """The n largest metrics of `row` whose names match `pattern`, by the pattern's group."""
+    found = [(number(v) or 0.0, m[1]) for k, v in row.items() if (m := pattern.match(k))]
     found.sort(reverse=True)
-    return ", ".join(f"{name} {v:.1f}" for v, name in found[:3] if v > 0) or "-"
+    return ", ".join(f"{name} {v:.1f}" for v, name in found[:n] if v > 0) or "-"
 
 
 def table(rows: list[dict[str, str]], units: dict[str, str],
@@ -87,13 +91,14 @@ def table(rows: list[dict[str, str]], units: dict[str, str],
             named[name] = mine
     if i != len(rows):
         print(f"note: {len(rows)} profiled kernels, {i} announced by the log", file=sys.stderr)
-    head = ["step", "kernel", *(c[0] for c in COLUMNS), "top stalls (warps per issue)"]
+    head = ["step", "kernel", *(c[0] for c in COLUMNS), "top stalls (warps per issue)",
+            "busiest pipes (% of peak)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, kernels in named.items():
         for row in kernels:
             cells = [cell(row, units, metric, scale) for _, metric, scale in COLUMNS]
             out.append(f"| {name} | {row.get('Kernel Name', '?')} | " + " | ".join(cells) +
-                       f" | {stalls(row)} |")
+                       f" | {top(row, _STALL)} | {top(row, _PIPE)} |")
     return "\n".join(out)
 
 

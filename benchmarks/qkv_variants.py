@@ -46,7 +46,7 @@ def _qkv_variant(X, W, Y, M, K, S, n_pairs, HALF, stride_xm, stride_w, start_pos
         col_b = col_a + HALF
     a, b, _ = two_products(X, X, W, col_a[None, :].to(tl.int64) * stride_w, W,
                            col_b[None, :].to(tl.int64) * stride_w, rm, m_ok, p_ok, K, stride_xm,
-                           BLOCK_M, BLOCK_N, BLOCK_K, 1, 2, False, 0)
+                           BLOCK_M, BLOCK_N, BLOCK_K, 1, 2, False, 0, 0)
     if ROPE:
         pos = (start_pos + rm % S).to(tl.float32)
         angle = pos[:, None] * tl.exp2(i.to(tl.float32) * nl2t)[None, :]
