@@ -25,11 +25,11 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.bench_read_bw import read_us
-from benchmarks.timing import as_graph, median_us
+from benchmarks.timing import as_graph, cuda_gpu, median_us
 from fusetune import models
 from fusetune.kernels import get_spec
 from fusetune.kernels._spec import Config, KernelSpec, Point
-from fusetune.tables import gpu_for_device, lookup
+from fusetune.tables import lookup
 from fusetune.tuner.bench import Evaluator
 
 CASES = (("ffn", "llama-2-7b", None), ("qkv", "llama-2-7b", None),
@@ -45,10 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="", choices=["", "fp8-e4m3", "fp8-e5m2"],
                     help="weight format (default: the activations' dtype)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    gpu = cuda_gpu()
+    if gpu is None:
         return 2
-    gpu = gpu_for_device(torch.device("cuda"))
     print(f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, triton "
           f"{triton.__version__}; median µs (do_bench, L2 flushed), kernel launches only\n")
     print("| kernel | dims | MB read | kernel µs (graph) | plain launches µs | read-only µs | "

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from benchmarks.timing import cuda_gpu
+
 
 @triton.jit
 def _read_kernel(X, OUT, n, BLOCK: tl.constexpr, STEPS: tl.constexpr, UNROLL: tl.constexpr,
@@ -63,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", default="180,100,134", help="buffer sizes in MB (1e6 bytes)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_gpu() is None:
         return 2
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}; median µs (do_bench, L2 flushed)\n")

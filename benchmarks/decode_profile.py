@@ -29,6 +29,7 @@ import triton
 
 from benchmarks.bench_decode import CASES
 from benchmarks.bench_read_bw import _read_kernel
+from benchmarks.timing import cuda_gpu
 from fusetune import models
 from fusetune.kernels import get_spec
 from fusetune.kernels._spec import Point
@@ -110,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--two-pass", action="store_true",
                     help="also each config with PASSES = 2 (norm pass first)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_gpu() is None:
         return 2
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}", flush=True)

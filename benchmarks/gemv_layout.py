@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from benchmarks.timing import as_graph, interleaved_medians
+from benchmarks.timing import as_graph, cuda_gpu, interleaved_medians
 from fusetune import models
 from fusetune.kernels import get_spec
 from fusetune.kernels._spec import Config, Point
@@ -53,8 +53,7 @@ def case(kernel: str, dims: dict[str, int], one_tensor: bool = False
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_gpu() is None:
         return 2
     llama = models.preset("llama-2-7b")
     ffn_dims = get_spec("ffn").dims_from_model(llama)

@@ -25,7 +25,7 @@ import triton
 
 from benchmarks.bench_decode import READ_SHAPES
 from benchmarks.bench_read_bw import read_us
-from benchmarks.timing import as_graph, interleaved_medians
+from benchmarks.timing import as_graph, cuda_gpu, interleaved_medians
 from fusetune import models
 from fusetune.kernels import ffn as ffn_mod
 from fusetune.kernels import get_spec
@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_gpu() is None:
         return 2
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}; M = 1, Llama-2-7B, shipped configs; µs of CUDA-graph replays "

@@ -32,7 +32,7 @@ import triton.language as tl
 
 import fusetune
 from benchmarks.bench_read_bw import read_us
-from benchmarks.timing import as_graph, median_us
+from benchmarks.timing import as_graph, cuda_gpu, median_us
 
 DIM = 4096
 SHAPES = {"ffn": 11008, "qkv": 12288, "lola": 16384}  # weight rows per product
@@ -190,8 +190,7 @@ def sweep(kind: str, sms: int, t0: float) -> None:
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_gpu() is None:
         return 2
     kinds = sys.argv[1:] or list(SHAPES)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -32,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 import fusetune
 from benchmarks.bench_read_bw import read_us
-from benchmarks.timing import as_graph, median_us
+from benchmarks.timing import as_graph, cuda_gpu, median_us
 
 DIM = 4096
 ROWS = {"ffn": 22016, "qkv": 12288}
@@ -147,8 +147,7 @@ def sweep(kind: str, fmt: str, t0: float) -> None:
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_gpu() is None:
         return 2
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     kinds = args or list(ROWS)

@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from benchmarks.bench_read_bw import read_us
+from benchmarks.timing import cuda_gpu
 from fusetune.kernels._matmul import mma_weight
 
 N, K = 22016, 4096
@@ -195,8 +196,7 @@ def best_configs(kernel: triton.JITFunction, extra: dict[str, int], x: torch.Ten
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_gpu() is None:
         return 2
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
           f"{triton.__version__}; W [{N}, {K}] times one fp16 row; median µs (do_bench, L2 "

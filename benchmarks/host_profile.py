@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import fusetune
-from benchmarks.timing import host_us_per_call
+from benchmarks.timing import cuda_gpu, host_us_per_call
 
 
 def cases() -> dict[str, tuple[str, Callable[[], Any]]]:
@@ -54,8 +54,7 @@ def main() -> int:
     ap.add_argument("--kernels", default="lola,ffn,qkv,rmsnorm,rope")
     ap.add_argument("--top", type=int, default=18)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_gpu() is None:
         return 2
     import triton
 

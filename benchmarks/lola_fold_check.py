@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 import fusetune
-from benchmarks.timing import median_us
+from benchmarks.timing import cuda_gpu, median_us
 from fusetune.kernels._matmul import grouped_tile
 
 CONFIGS = [  # wrong in the stored grid (rel err), then right ones of the same shapes
@@ -109,8 +109,7 @@ def shape_parser(doc: str) -> argparse.ArgumentParser:
 def parse_on_gpu(ap: argparse.ArgumentParser) -> argparse.Namespace | None:
     """The parsed arguments with torch seeded, or None (said on stderr) without a CUDA GPU."""
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_gpu() is None:
         return None
     torch.manual_seed(0)
     return args

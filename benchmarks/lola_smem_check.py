@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.timing import cuda_gpu
 from fusetune.kernels._spec import Point
 from fusetune.kernels.lola import SPEC
 from fusetune.tuner.launches import compile_only, kernel_stats, launched_kernels
@@ -65,8 +66,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--jobs", type=int, default=14, help="compiling processes")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_gpu() is None:
         return 2
     import triton
 

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from benchmarks.timing import cuda_gpu
+
 M, K, N = 4096, 4096, 11008
 
 
@@ -59,8 +61,7 @@ def _ffn_tma(XD, W1D, W3D, OD, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: 
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    if cuda_gpu() is None:
         return 2
     from triton.tools.tensor_descriptor import TensorDescriptor
 

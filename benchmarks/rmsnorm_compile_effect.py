@@ -23,9 +23,8 @@ import torch
 import triton
 
 from benchmarks import bench_rmsnorm
-from benchmarks.timing import Fn, as_graph, interleaved_medians
+from benchmarks.timing import Fn, as_graph, cuda_gpu, interleaved_medians
 from fusetune.kernels.rmsnorm import _launch_2d
-from fusetune.tables import gpu_for_device
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,10 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fresh", action="store_true",
                     help="after that, compile the tuned kernel again in a new Triton cache")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    gpu = cuda_gpu()
+    if gpu is None:
         return 2
-    gpu = gpu_for_device(torch.device("cuda"))
     liger = bench_rmsnorm.liger_rmsnorm()
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
           f"{triton.__version__}; 4096 x 4096, µs of CUDA-graph replays (do_bench medians, L2 "

@@ -35,10 +35,9 @@ import triton
 import triton.language as tl
 
 from benchmarks import bench_rmsnorm
-from benchmarks.timing import time_cases
+from benchmarks.timing import cuda_gpu, time_cases
 from fusetune.gpus import GpuSpec
 from fusetune.kernels.rmsnorm import _launch_2d
-from fusetune.tables import gpu_for_device
 
 
 @triton.jit
@@ -142,10 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--placement", action="store_true",
                     help="sweep the output's place instead (copy and kernel into the same y)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    gpu = cuda_gpu()
+    if gpu is None:
         return 2
-    gpu: GpuSpec = gpu_for_device(torch.device("cuda"))
     if args.placement:
         print(f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
               f"Triton {triton.__version__}; median µs of do_bench (L2 flushed), CUDA-graph "

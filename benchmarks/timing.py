@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import torch
 from triton.testing import do_bench
 
+from fusetune.gpus import GpuSpec
 from fusetune.tuner.bench import captured_launch
 
 Fn = Callable[[], object]
@@ -41,18 +42,25 @@ def parser(doc: str, impls: Sequence[str]) -> argparse.ArgumentParser:
     return ap
 
 
-def start(args: argparse.Namespace) -> Any:
-    """The GpuSpec of the current CUDA device after loading --tables; None (after saying why)
-    where there is no CUDA GPU."""
-    import fusetune
+def cuda_gpu() -> GpuSpec | None:
+    """The GpuSpec of the current CUDA device; None, after saying why, where there is no CUDA
+    GPU (the check every GPU benchmark starts with)."""
     from fusetune.tables import gpu_for_device
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return None
-    if args.tables:
-        fusetune.load_tables(args.tables)
     return gpu_for_device(torch.device("cuda"))
+
+
+def start(args: argparse.Namespace) -> Any:
+    """cuda_gpu, after loading --tables where there is a CUDA GPU."""
+    import fusetune
+
+    gpu = cuda_gpu()
+    if gpu is not None and args.tables:
+        fusetune.load_tables(args.tables)
+    return gpu
 
 
 def heading(gpu: Any, what: str, graphs: bool = True) -> str:
