@@ -126,9 +126,9 @@ def test_start_configs_move_seeds_outside_the_space_into_it() -> None:
 
 def test_a_winner_stored_before_a_flag_existed_seeds_with_the_flags_default(
         sqlite_url: str, tmp_path: Path, fresh_tables: None) -> None:
-    # Databases written before SPREAD hold winners without it: such a winner ran with
-    # SPREAD = 0 and seeds the search as that config (it was dropped as an unknown shape), the
-    # same config as its twin in a lookup table (one neighbour, not two).
+    # Databases written before SPREAD and THREAD_SUM hold winners without them: such a winner
+    # ran with both 0 and seeds the search as that config (it was dropped as an unknown
+    # shape), the same config as its twin in a lookup table (one neighbour, not two).
     spec = get_spec("ffn")
     point = Point.make("ffn", FFN, 1, 1, "float16")
     gpu = gpus.resolve("h100")
@@ -138,7 +138,8 @@ def test_a_winner_stored_before_a_flag_existed_seeds_with_the_flags_default(
     old = {"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "GROUP_M": 1, "PASSES": 1,
            "SPLIT_K": 1, "ACT_FP8": 0, "UNROLL_K": 1, "TMA": 0, "num_warps": 8,
            "num_stages": 1}
-    other = {**old, "SPREAD": 0, "BLOCK_N": 4}
+    filled = {**old, "SPREAD": 0, "THREAD_SUM": 0}
+    other = {**filled, "BLOCK_N": 4}
     fusetune.load_tables(table_file(tmp_path / "t.yaml", [
         {"dims": FFN, "dtype": "float16", "batch": 1, "seq": 2, "config": old},
         {"dims": FFN, "dtype": "float16", "batch": 1, "seq": 16, "config": other}]))
@@ -146,10 +147,9 @@ def test_a_winner_stored_before_a_flag_existed_seeds_with_the_flags_default(
     pid = store.point_id(key(FFN, gpu=A100))  # one row: as far from 4 rows as 16 rows are
     store.set_winner(pid, old, 1.0, old, None, 1, 1, 1)
     me = key(FFN, batch=4, gpu=A100)
-    assert neighbour_winners(store, me, None, flags=spec.flags, use_tables=False) == [
-        {**old, "SPREAD": 0}]
+    assert neighbour_winners(store, me, None, flags=spec.flags, use_tables=False) == [filled]
     # The stored winner is the table's 2-row entry: the next nearest point gets its place.
     neighbours = neighbour_winners(store, me, None, flags=spec.flags)
-    assert neighbours == [{**old, "SPREAD": 0}, other]
+    assert neighbours == [filled, other]
     got = start_configs(spec, point, space, plan, default, neighbours[:1])
-    assert got == [default, {**old, "SPREAD": 0}]
+    assert got == [default, filled]

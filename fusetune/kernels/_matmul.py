@@ -26,12 +26,14 @@ from fusetune.kernels._spec import (
 # the tolerance its output is checked with (float32 accumulation of fp16/bf16 products).
 # ACT_FP8 (0/1, see fp8.py), UNROLL_K (0/1: the GEMV structure's K loop takes two K-steps per
 # iteration, see gemv_two_products), SPREAD (0/1: a GEMV program's output rows lie far apart,
-# see block_rows) and TMA (0/1: the tensor-core loop reads its tiles through TMA descriptors,
-# see tma_two_products; ffn and lola) may be left out of a config: tables written before them
-# mean 0.
+# see block_rows), THREAD_SUM (0/1: a GEMV thread adds the products of its 16-byte run of a
+# weight row up before accumulating, see gemv_two_products) and TMA (0/1: the tensor-core loop
+# reads its tiles through TMA descriptors, see tma_two_products; ffn and lola) may be left out
+# of a config: tables written before them mean 0.
 MATMUL_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K",
-                      "ACT_FP8", "UNROLL_K", "SPREAD", "TMA", "num_warps", "num_stages")
-MATMUL_FLAGS = {"ACT_FP8": 0, "UNROLL_K": 0, "SPREAD": 0, "TMA": 0}
+                      "ACT_FP8", "UNROLL_K", "SPREAD", "THREAD_SUM", "TMA", "num_warps",
+                      "num_stages")
+MATMUL_FLAGS = {"ACT_FP8": 0, "UNROLL_K": 0, "SPREAD": 0, "THREAD_SUM": 0, "TMA": 0}
 # The largest TMA box: a descriptor's tile is at most 256 elements along each side.
 TMA_MAX_BOX = 256
 MATMUL_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
@@ -163,15 +165,15 @@ def row_norm_stats(x_row, K, eps, RMS: tl.constexpr, BLOCK_K: tl.constexpr):
 def two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, PASSES: tl.constexpr, IEEE: tl.constexpr,
-                 W_FP8: tl.constexpr, UNROLL_K: tl.constexpr):
+                 W_FP8: tl.constexpr, UNROLL_K: tl.constexpr, THREAD_SUM: tl.constexpr):
     """x·Waᵀ and x·Wbᵀ for the rows rm of X over this program's K-slice: the tensor-core loop
     (mma_two_products), or with BLOCK_M = 1 the one-row loop (gemv_two_products, which alone
-    reads UNROLL_K). Returns [BLOCK_M, BLOCK_N], [BLOCK_M, BLOCK_N] and the rows' sums of x²
-    [BLOCK_M]."""
+    reads UNROLL_K and THREAD_SUM). Returns [BLOCK_M, BLOCK_N], [BLOCK_M, BLOCK_N] and the
+    rows' sums of x² [BLOCK_M]."""
     if BLOCK_M == 1:
         acc_a, acc_b, sumsq = gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok,
                                                 K, stride_xm, BLOCK_N, BLOCK_K, SPLIT_K, PASSES,
-                                                W_FP8, UNROLL_K)
+                                                W_FP8, UNROLL_K, THREAD_SUM)
     else:
         acc_a, acc_b, sumsq = mma_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok,
                                                K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
@@ -182,7 +184,8 @@ def two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
 @triton.jit
 def gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                      PASSES: tl.constexpr, W_FP8: tl.constexpr, UNROLL_K: tl.constexpr):
+                      PASSES: tl.constexpr, W_FP8: tl.constexpr, UNROLL_K: tl.constexpr,
+                      THREAD_SUM: tl.constexpr):
     """two_products for one row per program (BLOCK_M = 1), without tensor cores: at decode
     sizes a 16-row tl.dot pads the row with zero rows and moves every tile through shared
     memory; here the weight tiles go from memory straight to registers as wide vectors and
@@ -191,8 +194,12 @@ def gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_
     rm has one element. Weight tiles are read as [BLOCK_K, BLOCK_N] (a weight row is
     contiguous in K, the tile's first axis, so the loads vectorize along it); the products
     accumulate element-wise in float32 [BLOCK_K, BLOCK_N] tiles that are summed over K once,
-    after the loop. With PASSES == 1 the row is scaled by G in float32 (not rounded back to
-    x's type as for the tensor cores) and its sum of squares comes back too.
+    after the loop. THREAD_SUM = 1 first adds up each run of V = 16 bytes of a weight row (8
+    16-bit or 16 FP8 weights, what one thread loads as one vector), so the accumulators are
+    [BLOCK_K // V, BLOCK_N]: V times fewer registers (the reshape keeps a run in one thread:
+    no data moves between threads; the sums come in another order than with 0). With
+    PASSES == 1 the row is scaled by G in float32 (not rounded back to x's type as for the
+    tensor cores) and its sum of squares comes back too.
 
     There is no software pipeline (no tl.dot for the compiler to stage): a warp waits for its
     loads before multiplying. UNROLL_K = 1 takes two K-steps per iteration, unrolled, so that
@@ -204,8 +211,10 @@ def gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_
     x_ptrs = X + rm.to(tl.int64) * stride_xm + (k_begin + rk)
     wa_ptrs = WA + (wa_rows + (k_begin + rk)[:, None])
     wb_ptrs = WB + (wb_rows + (k_begin + rk)[:, None])
-    acc_a = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    # THREAD_SUM: V = a 16-byte run of weight elements (one vector load a thread).
+    V: tl.constexpr = 128 // WA.dtype.element_ty.primitive_bitwidth if THREAD_SUM else 1
+    acc_a = tl.zeros([BLOCK_K // V, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_K // V, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K * (1 + UNROLL_K)):
         for u in tl.static_range(1 + UNROLL_K):
@@ -227,8 +236,12 @@ def gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_
                 g = tl.load(G + k0 + step + rk, mask=k_ok, other=0.0).to(tl.float32)
                 sq += xf * xf
                 xf = xf * g
-            acc_a += wa * xf[:, None]
-            acc_b += wb * xf[:, None]
+            if V == 1:
+                acc_a += wa * xf[:, None]
+                acc_b += wb * xf[:, None]
+            else:
+                acc_a += tl.sum(tl.reshape(wa * xf[:, None], [BLOCK_K // V, V, BLOCK_N]), axis=1)
+                acc_b += tl.sum(tl.reshape(wb * xf[:, None], [BLOCK_K // V, V, BLOCK_N]), axis=1)
         x_ptrs += BLOCK_K * (1 + UNROLL_K)
         wa_ptrs += BLOCK_K * (1 + UNROLL_K)
         wb_ptrs += BLOCK_K * (1 + UNROLL_K)
@@ -239,17 +252,19 @@ def gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_
 @triton.jit
 def gemv_one_product(X, W, w_rows, rm, m_ok, w_ok, K, stride_xm, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PASSES: tl.constexpr,
-                     W_FP8: tl.constexpr, UNROLL_K: tl.constexpr):
+                     W_FP8: tl.constexpr, UNROLL_K: tl.constexpr, THREAD_SUM: tl.constexpr):
     """x·Wᵀ for one row rm [1] of X over this program's K-slice, as gemv_two_products does it
-    (UNROLL_K too), for a LayerNorm folded into the loop (PASSES == 1): returns the product
-    [1, BLOCK_N], the row's Σx and Σx² [1] and the weight rows' Σw [BLOCK_N] (zeros with
-    PASSES == 2)."""
+    (UNROLL_K and THREAD_SUM too), for a LayerNorm folded into the loop (PASSES == 1):
+    returns the product [1, BLOCK_N], the row's Σx and Σx² [1] and the weight rows' Σw
+    [BLOCK_N] (zeros with PASSES == 2)."""
     k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = X + rm.to(tl.int64) * stride_xm + (k_begin + rk)  # [1] + [BLOCK_K]
     w_ptrs = W + (w_rows + (k_begin + rk)[:, None])  # [BLOCK_K, BLOCK_N], K contiguous
-    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    w_sum = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    # THREAD_SUM: V = a 16-byte run of weight elements (one vector load a thread).
+    V: tl.constexpr = 128 // W.dtype.element_ty.primitive_bitwidth if THREAD_SUM else 1
+    acc = tl.zeros([BLOCK_K // V, BLOCK_N], dtype=tl.float32)
+    w_sum = tl.zeros([BLOCK_K // V, BLOCK_N], dtype=tl.float32)
     x_sum = tl.zeros([BLOCK_K], dtype=tl.float32)
     x_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K * (1 + UNROLL_K)):
@@ -260,11 +275,17 @@ def gemv_one_product(X, W, w_rows, rm, m_ok, w_ok, K, stride_xm, BLOCK_N: tl.con
             w = mma_weight(tl.load(w_ptrs + step, mask=k_ok[:, None] & w_ok[None, :], other=0.0,
                                    eviction_policy="evict_first"), x, W_FP8).to(tl.float32)
             xf = x.to(tl.float32)
+            if V == 1:
+                if PASSES == 1:
+                    w_sum += w
+                acc += w * xf[:, None]
+            else:
+                if PASSES == 1:
+                    w_sum += tl.sum(tl.reshape(w, [BLOCK_K // V, V, BLOCK_N]), axis=1)
+                acc += tl.sum(tl.reshape(w * xf[:, None], [BLOCK_K // V, V, BLOCK_N]), axis=1)
             if PASSES == 1:
                 x_sum += xf
                 x_sq += xf * xf
-                w_sum += w
-            acc += w * xf[:, None]
         x_ptrs += BLOCK_K * (1 + UNROLL_K)
         w_ptrs += BLOCK_K * (1 + UNROLL_K)
     one = tl.zeros([1], dtype=tl.float32)
@@ -426,6 +447,7 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
     c["ACT_FP8"] = int(fp8_mma)
     c["UNROLL_K"] = 0
     c["SPREAD"] = 0
+    c["THREAD_SUM"] = 0
     # Tiles through TMA descriptors at many rows, 16-bit weights: on the H100 at 4096 rows
     # this tile took 1202 / 809 / 1099 µs with TMA against 1347 / 939 / 1282 by pointers (ffn,
     # qkv, lola 4096 -> 16384; K = 4096), and 61.5 against 70.6 µs for lola 768 -> 3072 (K =
@@ -481,6 +503,8 @@ def collapse_tiles(config: Config, rows: int, n: int, k: int) -> Config:
         c["BLOCK_N"] = max(c["BLOCK_N"], 16)  # tl.dot needs 16 columns
         if "UNROLL_K" in c:  # the tensor-core loop is pipelined by num_stages instead
             c["UNROLL_K"] = 0
+        if "THREAD_SUM" in c:  # a flag of the one-row loop only
+            c["THREAD_SUM"] = 0
     c["BLOCK_N"] = min(c["BLOCK_N"], max(16, next_pow2(n)))
     c["BLOCK_K"] = min(c["BLOCK_K"], max(16, next_pow2(k)))
     if -(-rows // c["BLOCK_M"]) == 1:
@@ -574,6 +598,12 @@ def tma_smem(config: Config, x_elt: int, w_elt: int, n_weights: int) -> int:
 GEMV_MAX_ROWS = 4
 
 
+def gemv_flag(config: Config, name: str) -> int:
+    """The value a launch passes for `name`, a flag of the one-row structure only (SPREAD,
+    THREAD_SUM): the config's (absent: 0) where BLOCK_M == 1, else 0."""
+    return int(bool(config.get(name)) and config["BLOCK_M"] == 1)
+
+
 def gemv_resources(config: Config, rows: int, w_bytes: int, n_weights: int) -> Resources:
     """Resources of a BLOCK_M = 1 config (gemv_two_products): float32 accumulators of
     n_weights [BLOCK_K, BLOCK_N] tiles plus the loaded tiles (w_bytes per element; two K-steps'
@@ -582,7 +612,10 @@ def gemv_resources(config: Config, rows: int, w_bytes: int, n_weights: int) -> R
     bn, bk = config["BLOCK_N"], config["BLOCK_K"]
     threads = 32 * config["num_warps"]
     loaded = w_bytes * (1 + config.get("UNROLL_K", 0))
-    regs = (n_weights * bk * bn * (4 + loaded) // 4 + bk) // threads + 32
+    # THREAD_SUM: one float32 accumulator per 16-byte run of a weight row instead of one per
+    # element.
+    acc = 4 * w_bytes / 16 if config.get("THREAD_SUM") else 4
+    regs = int(n_weights * bk * bn * (acc + loaded) / 4 + bk) // threads + 32
     unfit = ""
     if rows > GEMV_MAX_ROWS:
         unfit = (f"structure: BLOCK_M=1 (one row per program) re-reads the weights for each of "

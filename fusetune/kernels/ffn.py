@@ -10,7 +10,7 @@ epilogue, before silu.
 
 Tunables (search_spaces/ffn.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (programs that share
 weight tiles are launched together for L2 reuse), PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD,
-TMA, num_warps, num_stages.
+THREAD_SUM, TMA, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from fusetune.kernels._matmul import (
     collapse_tiles,
     collapse_tma,
     default_tiles,
+    gemv_flag,
     gemv_resources,
     grouped_tile,
     pipelined_smem,
@@ -90,6 +91,7 @@ def _ffn_kernel(
     W_SCALED: tl.constexpr,  # the weights have per-output-channel scales S1, S3
     UNROLL_K: tl.constexpr,  # BLOCK_M == 1: two K-steps per loop iteration (gemv_two_products)
     SPREAD: tl.constexpr,  # BLOCK_M == 1: the program's BLOCK_N columns far apart (block_rows)
+    THREAD_SUM: tl.constexpr,  # BLOCK_M == 1: each thread adds its weight run up first
     TMA: tl.constexpr,  # X, W1, W3 are TMA descriptors (PASSES == 2, see tma_two_products)
 ):
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -112,7 +114,7 @@ def _ffn_kernel(
         w_off = rn[None, :].to(tl.int64) * stride_wn
         acc1, acc3, sumsq = two_products(X, G, W1, w_off, W3, w_off, rm, m_ok, n_ok, K,
                                          stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PASSES,
-                                         IEEE, W_FP8, UNROLL_K)
+                                         IEEE, W_FP8, UNROLL_K, THREAD_SUM)
 
     if SPLIT_K > 1 and not FINISH:
         store_two_partials(WS, WSQ, acc1, acc3, sumsq, rm, rn, m_ok, mn_ok, M, N, pid_n == 0,
@@ -172,7 +174,8 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
             PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
             IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act,
             W_SCALED=s1 is not None, UNROLL_K=config.get("UNROLL_K", 0),
-            SPREAD=int(bool(config.get("SPREAD")) and gemv), TMA=descs is not None,
+            SPREAD=gemv_flag(config, "SPREAD"), TMA=descs is not None,
+            THREAD_SUM=gemv_flag(config, "THREAD_SUM"),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -198,8 +201,8 @@ def ffn(
     fusetune.quantize_fp8) with optional float32 scales per output channel `w1_scale`,
     `w3_scale` [hidden] (None: 1), W1 = w1_scale[:, None] · w1. Returns [..., hidden] in x's
     dtype. The config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8,
-    UNROLL_K, SPREAD, TMA, num_warps, num_stages) comes from the lookup tables (for this weight
-    format) unless `config` is given.
+    UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages) comes from the lookup tables
+    (for this weight format) unless `config` is given.
     """
     if x.ndim < 1:
         raise ValueError("ffn: x must have at least one dimension")

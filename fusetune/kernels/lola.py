@@ -13,7 +13,7 @@ orders of magnitude above their spread (normalized hidden states); the reference
 two-pass LayerNorm.
 
 Tunables (search_spaces/lola.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K,
-ACT_FP8, UNROLL_K, SPREAD, TMA, num_warps, num_stages.
+ACT_FP8, UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from fusetune.kernels._matmul import (
     collapse_tma,
     default_tiles,
     dot,
+    gemv_flag,
     gemv_one_product,
     gemv_resources,
     grouped_tile,
@@ -93,6 +94,7 @@ def _lola_kernel(
     W_SCALED: tl.constexpr,  # W has per-output-channel scales SW
     UNROLL_K: tl.constexpr,  # BLOCK_M == 1: two K-steps per loop iteration (gemv_one_product)
     SPREAD: tl.constexpr,  # BLOCK_M == 1: the program's BLOCK_N columns far apart (block_rows)
+    THREAD_SUM: tl.constexpr,  # BLOCK_M == 1: each thread adds its weight run up first
     TMA: tl.constexpr,  # X and W are TMA descriptors (PASSES == 2, see tma_one_product)
 ):
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -118,7 +120,7 @@ def _lola_kernel(
     elif BLOCK_M == 1:  # one row per program, no tensor cores (the decode structure)
         acc, sum_x, sum_x2, sum_w = gemv_one_product(
             X, W, rn[None, :].to(tl.int64) * stride_wn, rm, m_ok, n_ok, K, stride_xm, BLOCK_N,
-            BLOCK_K, SPLIT_K, PASSES, W_FP8, UNROLL_K)
+            BLOCK_K, SPLIT_K, PASSES, W_FP8, UNROLL_K, THREAD_SUM)
     elif TMA:  # PASSES == 2: the row and column sums are not needed
         acc = tma_one_product(X, W, pid_m * BLOCK_M, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
                               SPLIT_K, IEEE)
@@ -296,7 +298,8 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
             PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
             IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act, W_SCALED=sw is not None,
             UNROLL_K=config.get("UNROLL_K", 0),
-            SPREAD=int(bool(config.get("SPREAD")) and bm == 1), TMA=descs is not None,
+            SPREAD=gemv_flag(config, "SPREAD"), TMA=descs is not None,
+            THREAD_SUM=gemv_flag(config, "THREAD_SUM"),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -320,8 +323,9 @@ def lola(
     `weight` is in x's dtype, or FP8 (torch.float8_e4m3fn or float8_e5m2, e.g. from
     fusetune.quantize_fp8) with optional float32 scales per output channel `weight_scale`
     [out_features] (None: 1), W = weight_scale[:, None] · weight. The config (BLOCK_M,
-    BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, TMA, num_warps,
-    num_stages) comes from the lookup tables (for this weight format) unless `config` is given.
+    BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, THREAD_SUM, TMA,
+    num_warps, num_stages) comes from the lookup tables (for this weight format) unless
+    `config` is given.
     """
     if x.ndim < 1:
         raise ValueError("lola: x must have at least one dimension")

@@ -14,7 +14,7 @@ rstd per row in the epilogue). V goes through the same code with a zero angle. T
 in x's dtype or in FP8 with per-output-channel scales (fp8.py), applied before RoPE.
 
 Tunables (search_spaces/qkv.yaml): BLOCK_M, BLOCK_N (pairs per program), BLOCK_K, GROUP_M,
-PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, TMA, num_warps, num_stages.
+PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from fusetune.kernels._matmul import (
     collapse_tiles,
     collapse_tma,
     default_tiles,
+    gemv_flag,
     gemv_resources,
     grouped_tile,
     pipelined_smem,
@@ -103,6 +104,7 @@ def _qkv_kernel(
     W_SCALED: tl.constexpr,  # the weights have per-output-channel scales SQ, SK, SV
     UNROLL_K: tl.constexpr,  # BLOCK_M == 1: two K-steps per loop iteration (gemv_two_products)
     SPREAD: tl.constexpr,  # BLOCK_M == 1: the program's BLOCK_N pairs far apart (block_rows)
+    THREAD_SUM: tl.constexpr,  # BLOCK_M == 1: each thread adds its weight run up first
     TMA: tl.constexpr,  # X and the weight rows are read through descriptors (tma_two_products)
 ):
     # Column-blocks of the three matrices side by side: [Q blocks | K blocks | V blocks].
@@ -176,7 +178,7 @@ def _qkv_kernel(
         acc_a, acc_b, sumsq = two_products(X, G, W, col_a[None, :].to(tl.int64) * stride_w,
                                            W, col_b[None, :].to(tl.int64) * stride_w, rm, m_ok,
                                            p_ok, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
-                                           PASSES, IEEE, W_FP8, UNROLL_K)
+                                           PASSES, IEEE, W_FP8, UNROLL_K, THREAD_SUM)
 
     if SPLIT_K > 1 and not FINISH:
         store_two_partials(WS, WSQ, acc_a, acc_b, sumsq, rm, first + p, m_ok, mp_ok, M,
@@ -275,7 +277,8 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
             GROUP_M=config["GROUP_M"], INTERLEAVED=interleaved, PASSES=config["PASSES"],
             SPLIT_K=split, FINISH=finish, IEEE=x.dtype == torch.float32, W_FP8=w_fp8,
             ACT_FP8=act, W_SCALED=scales is not None, UNROLL_K=config.get("UNROLL_K", 0),
-            SPREAD=int(bool(config.get("SPREAD")) and gemv), TMA=descs is not None,
+            SPREAD=gemv_flag(config, "SPREAD"), TMA=descs is not None,
+            THREAD_SUM=gemv_flag(config, "THREAD_SUM"),
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
 
@@ -309,8 +312,9 @@ def qkv(
     wq, wk and wv are in x's dtype, or all three FP8 (torch.float8_e4m3fn or float8_e5m2, e.g.
     from fusetune.quantize_fp8) with optional float32 scales per output channel `wq_scale`
     [Nq], `wk_scale`, `wv_scale` [Nkv] (None: 1). The config (BLOCK_M, BLOCK_N, BLOCK_K,
-    GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, TMA, num_warps, num_stages) comes from the
-    lookup tables (for this weight format) unless `config` is given.
+    GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps,
+    num_stages) comes from the lookup tables (for this weight format) unless `config` is
+    given.
     """
     if x.ndim != 3:
         raise ValueError(f"qkv: x must be [batch, seq, dim], got shape {tuple(x.shape)}")

@@ -124,6 +124,37 @@ def test_gemv_spread_rows(rows: int, split: int, unroll: int, passes: int) -> No
     assert torch.equal(spread, fusetune.ffn(x, g, w1, w3, config={**config, "SPREAD": 0}))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("rows", "bk", "passes", "split", "unroll"),
+                         [(8, 256, 1, 1, 0), (4, 256, 2, 4, 1), (2, 2048, 1, 1, 1),
+                          (16, 64, 1, 2, 0)])
+def test_gemv_thread_sum(dtype: torch.dtype, rows: int, bk: int, passes: int, split: int,
+                         unroll: int) -> None:
+    # THREAD_SUM = 1: each thread adds the products of its 16-byte run of a weight row (8
+    # float16 or 4 float32 elements) before accumulating; K = 3000 leaves partial steps and,
+    # with SPLIT_K, a partial slice. The sums come in another order: close to THREAD_SUM = 0,
+    # not bit-identical.
+    x, g, w1, w3 = make(3, 3000, 37, dtype)
+    config = {"BLOCK_M": 1, "BLOCK_N": rows, "BLOCK_K": bk, "GROUP_M": 1, "PASSES": passes,
+              "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1}
+    summed = check(x, g, w1, w3, config={**config, "THREAD_SUM": 1})
+    plain = fusetune.ffn(x, g, w1, w3, config={**config, "THREAD_SUM": 0})
+    assert torch.allclose(summed.float(), plain.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_thread_sum_only_for_the_one_row_structure() -> None:
+    gemv = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
+            "SPLIT_K": 1, "UNROLL_K": 1, "THREAD_SUM": 1, "num_warps": 4, "num_stages": 1}
+    assert SPEC.canonical(gemv, point(1))["THREAD_SUM"] == 1
+    tiles = {**gemv, "BLOCK_M": 16, "BLOCK_N": 64}
+    assert SPEC.canonical(tiles, point(16))["THREAD_SUM"] == 0  # the tensor-core loop
+    assert SPEC.validate_config({k: v for k, v in gemv.items() if k != "THREAD_SUM"})[
+        "THREAD_SUM"] == 0  # tables written before the flag
+    # One float32 accumulator per 8 float16 products: fewer registers a thread.
+    regs = [SPEC.resources({**gemv, "THREAD_SUM": t}, point(1)).regs_per_thread for t in (0, 1)]
+    assert regs[1] < regs[0]
+
+
 def test_spread_only_where_rows_can_lie_apart() -> None:
     gemv = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
             "SPLIT_K": 1, "UNROLL_K": 1, "SPREAD": 1, "num_warps": 4, "num_stages": 1}
@@ -349,10 +380,11 @@ def test_gpu_gemv_structure(dtype: torch.dtype, m: int, split: int, unroll: int)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("spread", [0, 1])
-def test_gpu_gemv_whole_rows(dtype: torch.dtype, m: int, spread: int) -> None:
+@pytest.mark.parametrize(("spread", "thread_sum"), [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_gpu_gemv_whole_rows(dtype: torch.dtype, m: int, spread: int, thread_sum: int) -> None:
     # Two weight rows per program (adjacent, or half the matrix apart), the 4096-wide row in
-    # one iteration (two K-steps of 2048).
+    # one iteration (two K-steps of 2048); each thread's run of a row added up first or not.
     check(*make(m, 4096, 11008, dtype), config={
         "BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "GROUP_M": 1, "PASSES": 1,
-        "SPLIT_K": 1, "UNROLL_K": 1, "SPREAD": spread, "num_warps": 8, "num_stages": 1})
+        "SPLIT_K": 1, "UNROLL_K": 1, "SPREAD": spread, "THREAD_SUM": thread_sum,
+        "num_warps": 8, "num_stages": 1})

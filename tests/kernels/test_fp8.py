@@ -247,14 +247,17 @@ def test_fp8_weights_match_dequantizing_reference(kernel: str, fmt: str,
 
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize(("unroll", "rows", "spread"), [(0, 64, 0), (1, 64, 0), (1, 4, 1)])
+@pytest.mark.parametrize(("unroll", "rows", "spread", "thread_sum"),
+                         [(0, 64, 0, 0), (1, 64, 0, 0), (1, 4, 1, 0), (1, 8, 0, 1), (0, 4, 1, 1)])
 @pytest.mark.parametrize("kernel", ["ffn", "qkv", "lola"])
 def test_fp8_weights_one_row_per_program(kernel: str, unroll: int, rows: int, spread: int,
-                                         fmt: str) -> None:
+                                         thread_sum: int, fmt: str) -> None:
     # BLOCK_M = 1 multiplies without tensor cores (the decode structure); ACT_FP8 = 1 means 0.
-    # SPREAD = 1: each program's rows (and their scales) lie far apart.
+    # SPREAD = 1: each program's rows (and their scales) lie far apart. THREAD_SUM = 1: each
+    # thread adds up the products of its run of 16 weight bytes first.
     Case(kernel, fmt, scaled=True).check({**cfg(1, 2, 2, 1), "BLOCK_N": rows,
-                                          "UNROLL_K": unroll, "SPREAD": spread}, False)
+                                          "UNROLL_K": unroll, "SPREAD": spread,
+                                          "THREAD_SUM": thread_sum}, False)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -585,10 +588,14 @@ GPU_CONFIGS = {
     "gemv-spread": {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "GROUP_M": 1, "PASSES": 1,
                     "SPLIT_K": 1, "ACT_FP8": 0, "UNROLL_K": 1, "SPREAD": 1, "num_warps": 2,
                     "num_stages": 1},
+    # each thread's 16 weight bytes added up before accumulating
+    "gemv-thread-sum": {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 256, "GROUP_M": 1, "PASSES": 1,
+                        "SPLIT_K": 1, "ACT_FP8": 0, "UNROLL_K": 1, "THREAD_SUM": 1,
+                        "num_warps": 2, "num_stages": 1},
 }
 GPU_CASES = [("decode-split", 1), ("decode-split", 37), ("prefill-upcast", 300),
              ("prefill-fp8mma", 300), ("fp8mma-split", 37), ("gemv", 1), ("gemv", 3),
-             ("gemv-spread", 1)]
+             ("gemv-spread", 1), ("gemv-thread-sum", 1)]
 
 
 @pytest.mark.gpu

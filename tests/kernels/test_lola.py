@@ -73,6 +73,17 @@ def test_gemv_awkward_width_d3000(passes: int, split: int, unroll: int) -> None:
                   "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1})
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("passes", "split", "unroll"), [(1, 1, 0), (2, 4, 1), (1, 2, 1)])
+def test_gemv_thread_sum(dtype: torch.dtype, passes: int, split: int, unroll: int) -> None:
+    # THREAD_SUM = 1: each thread's 16-byte run of a weight row (and, with the LayerNorm
+    # folded in, of the row's Σw) added up before accumulating; K = 3000: partial steps.
+    check(*make(3, 3000, 24, dtype),
+          config={"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 256, "GROUP_M": 1, "PASSES": passes,
+                  "SPLIT_K": split, "UNROLL_K": unroll, "THREAD_SUM": 1, "num_warps": 2,
+                  "num_stages": 1})
+
+
 @pytest.mark.parametrize(("rows", "passes", "split", "unroll"),
                          [(8, 1, 1, 1), (4, 2, 2, 0), (16, 1, 4, 0)])
 def test_gemv_spread_rows(rows: int, passes: int, split: int, unroll: int) -> None:
@@ -233,15 +244,16 @@ def test_gpu_gpt_dims(dtype: torch.dtype, m: int, d: int, n: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("m", "passes", "split", "unroll", "spread"),
-                         [(1, 1, 1, 0, 0), (1, 2, 4, 0, 0), (3, 1, 2, 0, 0), (1, 1, 1, 1, 0),
-                          (1, 2, 2, 1, 0), (1, 1, 1, 1, 1), (3, 2, 2, 0, 1)])
+@pytest.mark.parametrize(("m", "passes", "split", "unroll", "spread", "thread_sum"),
+                         [(1, 1, 1, 0, 0, 0), (1, 2, 4, 0, 0, 0), (3, 1, 2, 0, 0, 0),
+                          (1, 1, 1, 1, 0, 0), (1, 2, 2, 1, 0, 0), (1, 1, 1, 1, 1, 0),
+                          (3, 2, 2, 0, 1, 0), (1, 1, 1, 0, 0, 1), (3, 2, 2, 1, 1, 1)])
 def test_gpu_gemv_structure(dtype: torch.dtype, m: int, passes: int, split: int, unroll: int,
-                            spread: int) -> None:
+                            spread: int, thread_sum: int) -> None:
     check(*make(m, 4096, 16384, dtype), config={
         "BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": passes,
-        "SPLIT_K": split, "UNROLL_K": unroll, "SPREAD": spread, "num_warps": 4,
-        "num_stages": 1})
+        "SPLIT_K": split, "UNROLL_K": unroll, "SPREAD": spread, "THREAD_SUM": thread_sum,
+        "num_warps": 4, "num_stages": 1})
 
 
 @pytest.mark.gpu

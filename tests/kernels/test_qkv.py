@@ -144,6 +144,20 @@ def test_gemv_spread_pairs(interleaved: bool, pairs: int, split: int, unroll: in
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize(("pairs", "split", "unroll", "spread"),
+                         [(4, 1, 1, 0), (8, 2, 0, 1), (2, 1, 0, 0)])
+def test_gemv_thread_sum(interleaved: bool, pairs: int, split: int, unroll: int,
+                         spread: int) -> None:
+    # THREAD_SUM = 1: each thread's 16-byte run of a weight row added up before accumulating;
+    # 96-wide rows leave a partial K-step.
+    config = {"BLOCK_M": 1, "BLOCK_N": pairs, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": 1,
+              "SPLIT_K": split, "UNROLL_K": unroll, "SPREAD": spread, "THREAD_SUM": 1,
+              "num_warps": 2, "num_stages": 1}
+    check(make(1, 2, 96, 12, 3, 12, torch.float16), 12, start_pos=3, interleaved=interleaved,
+          config=config)
+
+
 TMA = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 1,
        "TMA": 1, "num_warps": 4, "num_stages": 2}
 
@@ -329,12 +343,13 @@ def test_sincos_accuracy() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "unroll", "spread"), [(1, 0, 0), (4, 0, 0), (1, 1, 0),
-                                                    (1, 1, 1), (3, 0, 1)])
+@pytest.mark.parametrize(("rows", "unroll", "spread", "thread_sum"),
+                         [(1, 0, 0, 0), (4, 0, 0, 0), (1, 1, 0, 0), (1, 1, 1, 0), (3, 0, 1, 0),
+                          (1, 1, 1, 1), (3, 0, 0, 1)])
 def test_gpu_gemv_structure(dtype: torch.dtype, interleaved: bool, rows: int, unroll: int,
-                            spread: int) -> None:
+                            spread: int, thread_sum: int) -> None:
     config = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
-              "SPLIT_K": 2, "UNROLL_K": unroll, "SPREAD": spread, "num_warps": 4,
-              "num_stages": 2}
+              "SPLIT_K": 2, "UNROLL_K": unroll, "SPREAD": spread, "THREAD_SUM": thread_sum,
+              "num_warps": 4, "num_stages": 2}
     check(make(1, rows, 4096, 32, 8, 128, dtype), 128, start_pos=4000, interleaved=interleaved,
           config=config)
