@@ -39,6 +39,17 @@ READ_SHAPES = [(b, 1, w, False, True) for b in (1024, 2048, 4096) for w in (4, 8
     [(b, 1, w, False, False) for b in (1024, 2048, 4096) for w in (4, 8)]
 
 
+def shipped_case(kernel: str, model: str | None, dims: dict[str, int] | None, dtype: str,
+                 weights: str) -> tuple[KernelSpec, dict[str, int], Point, Config, Evaluator]:
+    """One of CASES at one row: its spec, dims, point, the config the lookup gives it (the loaded
+    and shipped tables) and an Evaluator with its inputs on the GPU."""
+    spec = get_spec(kernel)
+    dims = dims or spec.dims_from_model(models.preset(model))
+    point = Point.make(kernel, dims, 1, 1, dtype, weights)
+    config = spec.canonical(lookup(kernel, dims, dtype, rows=1, weights=weights), point)
+    return spec, dims, point, config, Evaluator(spec, point, "cuda", "cuda")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float16")
@@ -54,12 +65,8 @@ def main(argv: list[str] | None = None) -> int:
           "kernel / read-only | copy of the bytes µs | kernel TB/s | config |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for kernel, model, dims in CASES:
-        spec = get_spec(kernel)
-        dims = dims or spec.dims_from_model(models.preset(model))
-        point = Point.make(kernel, dims, 1, 1, args.dtype, args.weights)
-        config = spec.canonical(lookup(kernel, dims, args.dtype, rows=1, weights=args.weights),
-                                point)
-        ev = Evaluator(spec, point, "cuda", "cuda")
+        spec, dims, point, config, ev = shipped_case(kernel, model, dims, args.dtype,
+                                                     args.weights)
         check = ev.check(config)
         if not check.ok:
             print(f"| {kernel} | {dims} | - | {check.status}: {check.reason} | | | | | | |")

@@ -3,12 +3,17 @@
 # Sets $final ($OUT, or bench_out) and $work (a fresh directory the steps write into), and
 # defines `step NAME SECONDS COMMAND...`: runs COMMAND with its output in $work/NAME.log, cut
 # off like Ctrl-C past SECONDS, prints its last lines, then packs $work into $final/NAME.tgz so
-# that a run stopped later still returns what finished.
+# that a run stopped later still returns what finished. PACK_FILES: files (a database, say) copied
+# into the pack each time, so that their latest state comes back too.
 final=${OUT:-bench_out}
 mkdir -p "$final"
 work=$(mktemp -d)
 _pack_name=$1
-pack() { tar czf "$final/$_pack_name.tgz" -C "$work" . ; }
+pack() {
+  local f
+  for f in ${PACK_FILES:-}; do cp "$f" "$work/" 2>/dev/null; done
+  tar czf "$final/$_pack_name.tgz" -C "$work" .
+}
 step() {
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date +%T))"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -607,22 +608,39 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
 @click.option("--gpu", "gpu_name", default=None, help="Only this GPU (name or alias).")
 @click.option("--kernel", "-k", default=None, help="Only this kernel.")
 @click.option("--db", default=DEFAULT_DB, show_default=True, help="Database URL.")
-def export(path: str, gpu_name: str | None, kernel: str | None, db: str) -> None:
+@click.option("--update", is_flag=True,
+              help="PATH is an existing table: put the database's winners into it (each "
+                   "replaces the entry of the same point: GPU, kernel, dims, dtype, weights, "
+                   "batch, seq) and keep its other entries, instead of writing a new table.")
+def export(path: str, gpu_name: str | None, kernel: str | None, db: str, update: bool) -> None:
     """Write the winners in the database to the lookup table PATH (YAML)."""
     from fusetune import gpus as g
-    from fusetune.export import build_tables, write_tables
+    from fusetune.export import build_tables, update_tables, write_tables
+    from fusetune.tables import TableError
 
     try:
         gpu = g.resolve(gpu_name).name if gpu_name else None
     except g.UnknownGpuError as e:
         raise click.ClickException(str(e)) from None
+    if update and not Path(path).is_file():
+        raise click.ClickException(f"--update: {path} does not exist (leave out --update to "
+                                   "write a new table)")
     doc = build_tables(_store(db), gpu=gpu, kernel=kernel)
     if not doc["gpus"]:
         raise click.ClickException(
             f"no winners in {_shown(db)}" + (f" for gpu={gpu}" if gpu else "")
             + (f" kernel={kernel}" if kernel else "") + ": run `fusetune search` first")
+    if not update:
+        n = write_tables(doc, path)
+        console.print(f"wrote {n} entries for {', '.join(doc['gpus'])} to {path}")
+        return
+    try:
+        doc, done = update_tables(Path(path).read_text(), path, doc)
+    except TableError as e:
+        raise click.ClickException(f"--update: {e}") from None
     n = write_tables(doc, path)
-    console.print(f"wrote {n} entries for {', '.join(doc['gpus'])} to {path}")
+    console.print(f"updated {path}: {done.replaced} entries replaced, {done.added} added, "
+                  f"{done.kept} kept ({n} in all)")
 
 
 @main.command()

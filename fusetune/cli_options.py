@@ -116,7 +116,8 @@ _OPTIONS = (
                  help="Processes that compile configs ahead of the GPU, in parallel, so that "
                       "the GPU process only loads them from Triton's cache (the search then "
                       "asks its sampler for a few configs at a time). 0: off. Default: off for "
-                      "`search` (it pays only for long searches: their start-up costs ~10 s), "
+                      "`search` (it pays only for long searches: their start-up costs ~10 s, about "
+                      "a minute on a machine whose Triton cache is still empty), "
                       "half the CPUs, at most 8, for `evaluate-search`'s grid; off (ignored) on "
                       "the interpreter."),
 )

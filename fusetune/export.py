@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import yaml
 
 from fusetune import __version__
 from fusetune.db.store import Store
-from fusetune.tables import SCHEMA_VERSION, parse_tables
+from fusetune.tables import SCHEMA_VERSION, canonical_gpu, parse_tables
 
 
 def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
@@ -34,10 +35,20 @@ def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
                      default_us=None if w.default_us is None else round(w.default_us, 3),
                      triton=p.triton_version, torch=p.torch_version, backend=p.backend)
         gpus.setdefault(p.gpu, {}).setdefault(p.kernel, []).append(entry)
+    return _document(gpus, versions)
+
+
+def _entry_order(e: dict[str, Any]) -> tuple[Any, ...]:
+    return (json.dumps(e["dims"], sort_keys=True), e["dtype"], e.get("weights", ""),
+            e["batch"] * e["seq"], e["batch"])
+
+
+def _document(gpus: dict[str, dict[str, list[dict[str, Any]]]],
+              versions: set[tuple[str, str]]) -> dict[str, Any]:
+    """A table document of these entries (sorted within each kernel) and versions."""
     for kernels in gpus.values():
         for entries in kernels.values():
-            entries.sort(key=lambda e: (json.dumps(e["dims"], sort_keys=True), e["dtype"],
-                                        e.get("weights", ""), e["batch"] * e["seq"], e["batch"]))
+            entries.sort(key=_entry_order)
     return {
         "schema_version": SCHEMA_VERSION,
         "provenance": {
@@ -47,6 +58,59 @@ def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
         },
         "gpus": {g: dict(sorted(k.items())) for g, k in sorted(gpus.items())},
     }
+
+
+@dataclass(frozen=True)
+class Update:
+    """What `update_tables` did: entries of the database that replaced an entry of the same
+    point in the file, those that were new to it, and the file's entries kept as they were."""
+
+    replaced: int
+    added: int
+    kept: int
+
+
+def update_tables(old_text: str, source: str, new: dict[str, Any]
+                  ) -> tuple[dict[str, Any], Update]:
+    """The table document `old_text` (validated first; `source` names it in errors) with the
+    entries of `new` (a build_tables document) in it: an entry of `new` replaces the file's
+    entry for the same point (GPU, kernel, dims, dtype, weight format, batch, seq), the file's
+    other entries stay as they are. GPU names are written canonically ("h100" -> "h100-sxm")."""
+    parse_tables(old_text, source)  # a file the runtime would reject is not built upon
+    old = yaml.safe_load(old_text)
+    versions = {(str(v["triton"]), str(v["torch"]))
+                for doc in (old, new) for v in doc["provenance"].get("versions") or []
+                if isinstance(v, dict) and "triton" in v and "torch" in v}
+    gpus: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    index: dict[tuple[Any, ...], int] = {}
+    kept = 0
+    for gpu_key, kernels in old["gpus"].items():
+        gpu = canonical_gpu(gpu_key)
+        for kernel, entries in kernels.items():
+            for e in entries:
+                dst = gpus.setdefault(gpu, {}).setdefault(kernel, [])
+                index[_identity(gpu, kernel, e)] = len(dst)
+                dst.append(dict(e))
+                kept += 1
+    replaced = added = 0
+    for gpu, kernels in new["gpus"].items():
+        for kernel, entries in kernels.items():
+            dst = gpus.setdefault(gpu, {}).setdefault(kernel, [])
+            for e in entries:
+                ident = _identity(gpu, kernel, e)
+                if ident in index:
+                    dst[index[ident]] = dict(e)
+                    replaced += 1
+                else:
+                    index[ident] = len(dst)
+                    dst.append(dict(e))
+                    added += 1
+    return _document(gpus, versions), Update(replaced, added, kept - replaced)
+
+
+def _identity(gpu: str, kernel: str, e: dict[str, Any]) -> tuple[Any, ...]:
+    return (gpu, kernel, json.dumps(e["dims"], sort_keys=True), e["dtype"],
+            e.get("weights") or "", e["batch"], e["seq"])
 
 
 def write_tables(doc: dict[str, Any], path: str | Path) -> int:

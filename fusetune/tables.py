@@ -104,7 +104,7 @@ def _entry(raw: Any, where: str, spec: Any, gpu: str) -> tuple[GroupKey, int, Co
     return key, raw["batch"] * raw["seq"], config
 
 
-def _canonical_gpu(name: Any) -> str:
+def canonical_gpu(name: Any) -> str:
     """A catalogue GPU's canonical name for any of its names ("h100" -> "h100-sxm"); other
     names (GPUs outside the catalogue, keyed by their device-name slug) stay as written."""
     from fusetune import gpus
@@ -139,7 +139,7 @@ def parse_tables(text: str, source: str) -> Tables:
         raise TableError(f"{source}: gpus must map GPU names to kernels")
     tables = Tables(sources=[source])
     for gpu_key, kernels in gpus.items():
-        gpu = _canonical_gpu(gpu_key)
+        gpu = canonical_gpu(gpu_key)
         if not isinstance(kernels, Mapping):
             raise TableError(f"{source}: gpus.{gpu_key} must map kernel names to entry lists")
         for kernel, entries in kernels.items():

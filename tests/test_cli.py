@@ -184,6 +184,38 @@ def test_show_and_export_on_empty_db(db_url: str, tmp_path: Path) -> None:
     assert not (tmp_path / "t.yaml").exists()
 
 
+def test_export_update(db_url: str, tmp_path: Path) -> None:
+    from fusetune.db.store import PointKey
+
+    table = tmp_path / "t.yaml"
+    r = invoke("export", str(table), "--update", "--db", db_url)
+    assert r.exit_code != 0 and "does not exist" in r.output  # nothing to update yet
+    store = Store(db_url)
+    cfg = {"BLOCK_D": 64, "ROWS": 1, "num_warps": 4, "num_stages": 1}
+    for batch in (1, 8):
+        pid = store.point_id(PointKey(gpu="h100-sxm", kernel="rmsnorm", dims={"dim": 64},
+                                      batch=batch, seq=1, dtype="float16", weights="",
+                                      backend="cuda", kernel_hash="abc", triton_version="3.6.0",
+                                      torch_version="2.11.0"))
+        store.set_winner(pid, cfg, 2.0, cfg, 2.0, 10, 10, 1)
+    table.write_text("schema_version: 1\nprovenance: {}\ngpus: {h100-sxm: {rmsnorm: [\n"
+                     "  {dims: {dim: 64}, dtype: float16, batch: 1, seq: 1, config: {BLOCK_D: 128,"
+                     " ROWS: 2, num_warps: 8, num_stages: 1}},\n"
+                     "  {dims: {dim: 64}, dtype: bfloat16, batch: 1, seq: 1, config: {BLOCK_D: 128,"
+                     " ROWS: 2, num_warps: 8, num_stages: 1}}]}}\n")
+    r = invoke("export", str(table), "--update", "--db", db_url)
+    assert r.exit_code == 0, r.output
+    assert "1 entries replaced, 1 added, 1 kept (3 in all)" in r.output
+    back = fusetune.tables.read_tables(table)
+    assert back.groups[("h100-sxm", "rmsnorm", (("dim", 64),), "float16", "")] == [
+        (1, cfg), (8, cfg)]
+    assert len(back.groups[("h100-sxm", "rmsnorm", (("dim", 64),), "bfloat16", "")]) == 1
+    table.write_text("gpus: []\n")
+    r = invoke("export", str(table), "--update", "--db", db_url)
+    assert r.exit_code != 0 and "missing top-level field" in r.output
+    assert table.read_text() == "gpus: []\n"  # left as it was
+
+
 # ---- the whole flow on the interpreter -----------------------------------------------------
 
 

@@ -15,7 +15,12 @@ from fusetune import gpus
 from fusetune.db.store import PointKey, Store
 from fusetune.kernels import get_spec
 from fusetune.kernels._spec import Point
-from fusetune.tuner.seeds import neighbour_winners, point_distance, start_configs
+from fusetune.tuner.seeds import (
+    neighbour_winners,
+    point_distance,
+    start_configs,
+    weights_distance,
+)
 from fusetune.tuner.space import Param, SearchSpace, config_key, load_space, make_plan
 
 FFN = {"dim": 4096, "hidden": 11008}
@@ -53,7 +58,7 @@ def test_neighbours_come_nearest_first_from_other_rows_and_other_dims(sqlite_url
     stored_winner(store, key(FFN, batch=16), 16)  # distance 4
     stored_winner(store, key({"dim": 4096, "hidden": 14336}), 3)  # distance 0.38
     stored_winner(store, key(FFN, seq=4096), 128)  # distance 12 > MAX_DISTANCE: too far
-    stored_winner(store, key(FFN, weights="fp8-e4m3"), 7)  # another weight format: never
+    stored_winner(store, key(FFN, weights="fp8-e4m3"), 7)  # FP8 for 16-bit weights: never
     stored_winner(store, key(FFN, gpu=A100), 5)  # another GPU: never
     got = neighbour_winners(store, me, own, limit=5, use_tables=False)
     assert got == [{"BLOCK_N": 3}, {"BLOCK_N": 16}]
@@ -64,6 +69,36 @@ def test_neighbours_come_nearest_first_from_other_rows_and_other_dims(sqlite_url
     assert neighbour_winners(store, me, own, limit=1, use_tables=False) == [{"BLOCK_N": 42}]
     assert neighbour_winners(store, me, own, limit=1, use_tables=False,
                              same_shape=False) == [{"BLOCK_N": 3}]
+
+
+def test_the_other_fp8_format_seeds_an_fp8_point_one_step_farther(
+        sqlite_url: str, tmp_path: Path, fresh_tables: None) -> None:
+    assert weights_distance("fp8-e5m2", "fp8-e5m2") == 0
+    assert weights_distance("fp8-e5m2", "fp8-e4m3") == 1
+    assert weights_distance("fp8-e5m2", "") is None
+    assert weights_distance("", "fp8-e4m3") is None
+    store = Store(sqlite_url)
+    e5m2 = key(FFN, weights="fp8-e5m2")
+    own = store.point_id(e5m2)
+    stored_winner(store, key(FFN, weights="fp8-e4m3"), 7)  # distance 1
+    stored_winner(store, key(FFN, batch=4, weights="fp8-e5m2"), 4)  # distance 2
+    stored_winner(store, key(FFN), 99)  # 16-bit weights: never
+    assert neighbour_winners(store, e5m2, own, limit=5, use_tables=False) == [
+        {"BLOCK_N": 7}, {"BLOCK_N": 4}]
+    # An FP8 point of one format is the other's neighbour, not its very shape: a replay of the
+    # e5m2 grid may start from the e4m3 winner.
+    assert neighbour_winners(store, e5m2, own, limit=1, use_tables=False,
+                             same_shape=False) == [{"BLOCK_N": 7}]
+    # The lookup tables' entries of the other FP8 format count too (after the database's).
+    e4m3_entry = {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
+                  "SPLIT_K": 1, "num_warps": 2, "num_stages": 1}
+    fusetune.load_tables(table_file(tmp_path / "t.yaml", [
+        {"dims": FFN, "dtype": "float16", "batch": 1, "seq": 1, "weights": "fp8-e4m3",
+         "config": e4m3_entry}]))
+    a100 = key(FFN, weights="fp8-e5m2", gpu=A100)
+    got = neighbour_winners(store, a100, store.point_id(a100), limit=5)
+    assert [c["BLOCK_N"] for c in got] == [4]
+    assert neighbour_winners(store, key(FFN, gpu=A100), None, limit=5) == []
 
 
 def table_file(path: Path, entries: list[dict[str, object]]) -> Path:

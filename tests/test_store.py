@@ -199,6 +199,46 @@ def test_write_tables_refuses_invalid_document(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_update_replaces_same_points_and_keeps_the_rest(db_url: str, tmp_path: Path) -> None:
+    old = tmp_path / "old.yaml"
+    # The file: two h100 points (one the database will retune, written under an alias) and a
+    # kernel the database has nothing for.
+    old.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {"versions": [
+        {"triton": "3.6.0", "torch": "2.11.0"}]}, "gpus": {"h100": {"rmsnorm": [
+            {"dims": {"dim": 64}, "dtype": "float16", "batch": 1, "seq": 1, "config": CFG_C},
+            {"dims": {"dim": 64}, "dtype": "float16", "batch": 1, "seq": 4096,
+             "config": CFG_C}],
+            "rope": [{"dims": {"head_dim": 64, "heads": 2, "interleaved": 1},
+                      "dtype": "float16", "batch": 1, "seq": 1,
+                      "config": {"BLOCK_T": 1, "BLOCK_H": 2, "num_warps": 1}}]}}}))
+    store = Store(db_url)
+    _fill(store)  # h100: batch 1 (CFG_A), 4, seq 64; rtx-3090: two points
+    doc, done = export.update_tables(old.read_text(), str(old), export.build_tables(store))
+    assert (done.replaced, done.added, done.kept) == (1, 4, 2)
+    assert export.write_tables(doc, old) == 7
+    back = yaml.safe_load(old.read_text())
+    assert list(back["gpus"]) == ["h100-sxm", "rtx-3090"]  # the alias written canonically
+    rms = back["gpus"]["h100-sxm"]["rmsnorm"]
+    assert [(e["batch"], e["seq"]) for e in rms] == [(1, 1), (4, 1), (1, 64), (1, 4096)]
+    assert rms[0]["config"] == CFG_A and rms[0]["time_us"] == 3.142  # the database's winner
+    assert rms[-1]["config"] == CFG_C  # kept as it was
+    assert len(back["gpus"]["h100-sxm"]["rope"]) == 1
+    assert back["provenance"]["versions"] == [{"triton": "3.6.0", "torch": "2.11.0"},
+                                              {"triton": "3.9.0", "torch": "2.13.0"}]
+    tables.load_tables(old)
+    import fusetune
+
+    assert fusetune.lookup("rmsnorm", {"dim": 64}, "float16", rows=1, gpu="h100") == CFG_A
+
+
+def test_update_refuses_an_invalid_file(db_url: str, tmp_path: Path) -> None:
+    store = Store(db_url)
+    _fill(store)
+    bad = "schema_version: 1\nprovenance: {}\ngpus: {h100: {rmsnorm: [{dims: {dim: 64}}]}}\n"
+    with pytest.raises(tables.TableError, match=r"bad\.yaml: .*missing field dtype"):
+        export.update_tables(bad, "bad.yaml", export.build_tables(store))
+
+
 # ---- URLs ------------------------------------------------------------------------------------
 
 

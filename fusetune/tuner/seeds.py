@@ -1,9 +1,10 @@
 """The configs a study starts from: the default heuristic and the winners of neighbouring points.
 
-A point's neighbours are the other tuned points of its GPU, kernel, weight format and backend:
-the winners stored in the database and the entries of the lookup tables (the loaded ones and
-those shipped with fusetune) for that GPU. The nearest come first, by `point_distance`: row
-count, then dims (another model's shapes), then dtype. Their winners are only first guesses
+A point's neighbours are the other tuned points of its GPU, kernel and backend with weights of
+the same width (the same format, or for FP8 weights the other FP8 format): the winners stored
+in the database and the entries of the lookup tables (the loaded ones and those shipped with
+fusetune) for that GPU. The nearest come first, by `point_distance` (row count, then dims:
+another model's shapes, then dtype) plus `weights_distance`. Their winners are only first guesses
 (they are evaluated like any other config), so neighbours tuned with another version of the
 kernel, Triton or torch are welcome too. On the H100's grids the decode optimum of one model's
 shapes was often another's (the ffn of Llama-2-7B and Llama-3-8B at one row: the same needle,
@@ -18,11 +19,15 @@ from collections.abc import Mapping, Sequence
 
 from fusetune import tables
 from fusetune.db.store import PointKey, Store
-from fusetune.kernels._spec import Config, KernelSpec, Point
+from fusetune.kernels._spec import WEIGHT_FORMATS, Config, KernelSpec, Point
 from fusetune.tuner.space import Plan, SearchSpace, config_key
 
 NEIGHBOURS = 2  # winners of this many nearest points are tried right after the default
 DTYPE_DISTANCE = 1.0  # another activation dtype counts as a factor of 2 in the row count
+# The other FP8 format (e5m2 for e4m3 and back) too: one byte a weight either way, so the same
+# tiles fit and the same decode structure wins or comes close (H100, one row: e4m3 ffn 39.7 µs,
+# e5m2 42.6 from a search that had not tried e4m3's winner; BENCHMARKS.md).
+WEIGHTS_DISTANCE = 1.0
 # Points farther apart than this (64× the rows, or the equivalent in dims) do not seed each other:
 # decode (few rows) and prefill (thousands) take other structures, and a winner of one, moved
 # into the other's space, starts the climb in the wrong place.
@@ -43,6 +48,18 @@ def point_distance(dims: Mapping[str, int], rows: int, dtype: str,
     return d + (DTYPE_DISTANCE if dtype != other_dtype else 0.0)
 
 
+def weights_distance(weights: str, other: str) -> float | None:
+    """How far apart two points' weight formats are (Point.weights: "" for weights in the
+    activations' dtype): 0 for the same, WEIGHTS_DISTANCE between the two FP8 formats, None
+    between FP8 and 16-bit weights (twice the bytes a weight: other tiles fit, other structures
+    win)."""
+    if weights == other:
+        return 0.0
+    if weights in WEIGHT_FORMATS and other in WEIGHT_FORMATS:
+        return WEIGHTS_DISTANCE
+    return None
+
+
 def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
                       limit: int = NEIGHBOURS, *, use_tables: bool = True,
                       same_shape: bool = True, flags: Mapping[str, int] | None = None
@@ -58,21 +75,30 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
     rows = max(1, key.batch * key.seq)
     found: list[tuple[float, int, Config]] = []
 
-    def consider(dims: Mapping[str, int], n_rows: int, dtype: str, config: Config) -> None:
+    def consider(dims: Mapping[str, int], n_rows: int, dtype: str, weights: str,
+                 config: Config) -> None:
         d = point_distance(key.dims, rows, key.dtype, dims, n_rows, dtype)
-        # Distance 0 is key's very shape: every term is 0 only for equal rows, dims and dtype.
-        if d is None or d > MAX_DISTANCE or (not same_shape and d == 0):
+        w = weights_distance(key.weights, weights)
+        if d is None or w is None:
+            return
+        d += w
+        # Distance 0 is key's very shape: every term is 0 only for equal rows, dims, dtype and
+        # weight format.
+        if d > MAX_DISTANCE or (not same_shape and d == 0):
             return
         found.append((d, len(found), dict(config)))
 
     for p, w in store.winners(gpu=key.gpu, kernel=key.kernel):  # newest first
-        if p.id != point_id and p.weights == key.weights and p.backend == key.backend:
-            consider(json.loads(p.dims), max(1, p.batch * p.seq), p.dtype,
+        if p.id != point_id and p.backend == key.backend:
+            consider(json.loads(p.dims), max(1, p.batch * p.seq), p.dtype, p.weights,
                      {**(flags or {}), **w.config})
     if use_tables and key.backend == "cuda":
-        for dims, dtype, n_rows, config in tables.tuned_entries(key.gpu, key.kernel,
-                                                                key.weights):
-            consider(dict(dims), n_rows, dtype, config)
+        formats = [key.weights, *(f for f in WEIGHT_FORMATS if f != key.weights
+                                  and weights_distance(key.weights, f) is not None)]
+        for weights in formats:
+            for dims, dtype, n_rows, config in tables.tuned_entries(key.gpu, key.kernel,
+                                                                    weights):
+                consider(dict(dims), n_rows, dtype, weights, config)
     found.sort(key=lambda t: (t[0], t[1]))
     out: list[Config] = []
     seen: set[str] = set()

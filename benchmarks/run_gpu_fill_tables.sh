@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# GPU calls that tune the points the shipped H100 tables did not have (bfloat16 activations,
+# FP8 e5m2 weights, RoPE with interleaved pairs), plus the L2-state diagnostic. FILL_STEPS
+# names the steps, in order (default: all, more than one call's time):
+#   l2_state     benchmarks.l2_state: decode kernels and the read-only kernel after do_bench's
+#                flush and after one that leaves the L2 clean (float16 and e4m3 weights)
+#   bf16_decode  fusetune search at one row, bfloat16: ffn, qkv (both pair layouts), lola
+#                4096 -> 16384 and 4096 -> 11008
+#   e5m2_decode  the same with e5m2 weights, float16 activations: ffn, qkv, lola
+#   e5m2_more    e5m2 ffn again (with FILL_TRIALS above the first run's, a resumed search that
+#                now starts from the e4m3 winner too), e5m2 lola 4096 -> 11008
+#   rope_fp16    RoPE with interleaved pairs, float16, batch 1,8 x seq 1,4096
+#   rope_bf16    RoPE, both pair layouts, bfloat16, the same points
+#   bf16_prefill fusetune search at 4096 rows, bfloat16: ffn, qkv, lola 768 -> 3072 and
+#                4096 -> 16384
+#   export       the database's winners as a table (FILL_DB's name with _tables.yaml)
+#   verify       on the shipped tables updated with that table: bench_decode (bfloat16, e5m2),
+#                bench_rope (verify_decode, verify_rope: one of the two)
+# Each search seeds its study from the nearest tuned points (the shipped float16 and e4m3
+# entries among them). FILL_DB: the search database (default
+# benchmarks/results/fill_tables_h100/search.db, so that the calls add to one file; carry it).
+# FILL_TRIALS: configs per point (default 32). FILL_ARGS: more search options (--isolate
+# --trial-timeout 60: a config that hangs is recorded as such, the search goes on). FILL_WORKERS: compile-ahead processes (default 0:
+# on a fresh machine 8 of them took about 55 s to start, longer than a decode point's search).
+# Everything lands in $OUT/fill_tables.tgz (FILL_TAG: a suffix of its name), the database's
+# state after every step with it.
+#   source .whl/setup.sh && FILL_STEPS="l2_state bf16_decode" bash benchmarks/run_gpu_fill_tables.sh
+set -uo pipefail
+dbfile=${FILL_DB:-benchmarks/results/fill_tables_h100/search.db}
+PACK_FILES=$dbfile
+source "$(dirname "$0")/gpu_steps.sh" "fill_tables${FILL_TAG:+_$FILL_TAG}"
+mkdir -p "$(dirname "$dbfile")"
+db=sqlite:///$dbfile
+tables=${dbfile%.db}_tables.yaml
+trials=${FILL_TRIALS:-32}
+search() {  # NAME LIMIT_S ARGS...: fusetune search on this GPU into the database
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" python3 -m fusetune.cli search --gpu h100 --db "$db" \
+    --trials "$trials" --compile-workers "${FILL_WORKERS:-0}" ${FILL_ARGS:-} "$@"
+}
+verify_decode() {
+  step decode_bf16 150 env FUSETUNE_TABLES="$tables" python3 -m benchmarks.bench_decode --dtype bfloat16
+  step decode_e5m2 150 env FUSETUNE_TABLES="$tables" python3 -m benchmarks.bench_decode \
+    --weights fp8-e5m2
+}
+verify_rope() {
+  step bench_rope 150 python3 -m benchmarks.bench_rope --tables "$tables" \
+    --markdown "$work/bench_rope.md"
+}
+for s in ${FILL_STEPS:-l2_state bf16_decode e5m2_decode rope_fp16 rope_bf16 bf16_prefill export verify}; do
+  case $s in
+    l2_state) step l2_state 120 python3 -m benchmarks.l2_state
+              step l2_state_e4m3 90 python3 -m benchmarks.l2_state --weights fp8-e4m3 ;;
+    bf16_decode)
+      search bf16_ffn 75 --kernel ffn --model llama-2-7b --batch 1 --seq 1 --dtype bfloat16
+      search bf16_qkv 75 --kernel qkv --model llama-2-7b --batch 1 --seq 1 --dtype bfloat16
+      search bf16_qkv_half 75 --kernel qkv --dims dim=4096,head_dim=128,interleaved=0,n_heads=32,n_kv_heads=32 \
+        --batch 1 --seq 1 --dtype bfloat16
+      search bf16_lola 75 --kernel lola --dims dim=4096,out=16384 --batch 1 --seq 1 --dtype bfloat16
+      search bf16_lola_11008 75 --kernel lola --dims dim=4096,out=11008 --batch 1 --seq 1 \
+        --dtype bfloat16 ;;
+    e5m2_decode)
+      for k in ffn qkv; do
+        search "e5m2_$k" 75 --kernel "$k" --model llama-2-7b --batch 1 --seq 1 --dtype float16 \
+          --weights fp8-e5m2
+      done
+      search e5m2_lola 75 --kernel lola --dims dim=4096,out=16384 --batch 1 --seq 1 \
+        --dtype float16 --weights fp8-e5m2 ;;
+    e5m2_more)
+      search e5m2_ffn_more 90 --kernel ffn --model llama-2-7b --batch 1 --seq 1 --dtype float16 \
+        --weights fp8-e5m2
+      search e5m2_lola_11008 90 --kernel lola --dims dim=4096,out=11008 --batch 1 --seq 1 \
+        --dtype float16 --weights fp8-e5m2 ;;
+    rope_fp16) search rope_fp16 100 --kernel rope --dims head_dim=128,heads=32,interleaved=1 \
+                 --batch 1,8 --seq 1,4096 --dtype float16 ;;
+    rope_bf16) for il in 1 0; do
+                 search "rope_bf16_$il" 100 --kernel rope --dims "head_dim=128,heads=32,interleaved=$il" \
+                   --batch 1,8 --seq 1,4096 --dtype bfloat16
+               done ;;
+    bf16_prefill)
+      search bf16_ffn_4096 90 --kernel ffn --model llama-2-7b --batch 1 --seq 4096 --dtype bfloat16
+      search bf16_qkv_4096 90 --kernel qkv --model llama-2-7b --batch 1 --seq 4096 --dtype bfloat16
+      for d in 768,3072 4096,16384; do
+        search "bf16_lola_${d%,*}_4096" 90 --kernel lola --dims "dim=${d%,*},out=${d#*,}" \
+          --batch 1 --seq 4096 --dtype bfloat16
+      done ;;
+    export) step export 60 python3 -m fusetune.cli export "$tables" --gpu h100 --db "$db"
+            cp "$tables" "$work/" ;;
+    verify) verify_decode; verify_rope ;;
+    verify_decode) verify_decode ;;
+    verify_rope) verify_rope ;;
+    *) echo "unknown step $s (valid: l2_state bf16_decode e5m2_decode e5m2_more rope_fp16 rope_bf16
+       bf16_prefill export verify verify_decode verify_rope)"
+       exit 2 ;;
+  esac
+done
+pack
