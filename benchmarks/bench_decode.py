@@ -28,7 +28,7 @@ from benchmarks.bench_read_bw import read_us
 from benchmarks.timing import as_graph, cuda_gpu, median_us
 from fusetune import models
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Config, KernelSpec, Point
+from fusetune.kernels._spec import WEIGHT_FORMATS, Config, KernelSpec, Point
 from fusetune.tables import lookup
 from fusetune.tuner.bench import Evaluator
 
@@ -53,7 +53,7 @@ def shipped_case(kernel: str, model: str | None, dims: dict[str, int] | None, dt
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--weights", default="", choices=["", "fp8-e4m3", "fp8-e5m2"],
+    ap.add_argument("--weights", default="", choices=["", *WEIGHT_FORMATS],
                     help="weight format (default: the activations' dtype)")
     args = ap.parse_args(argv)
     gpu = cuda_gpu()

@@ -27,14 +27,10 @@ from typing import Any
 import torch
 import triton
 
-from benchmarks.bench_decode import CASES
+from benchmarks.bench_decode import CASES, shipped_case
 from benchmarks.bench_read_bw import _read_kernel
 from benchmarks.timing import cuda_gpu
-from fusetune import models
-from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Point
-from fusetune.tables import lookup
-from fusetune.tuner.bench import Evaluator
+from fusetune.kernels._spec import WEIGHT_FORMATS
 from fusetune.tuner.launches import launched_kernels
 
 _LOAD = re.compile(r"\bld\.global(?:\.[a-zA-Z0-9_:]+)*?(?:\.(v[248]))?\.([bfsu]\d+)\b")
@@ -68,15 +64,12 @@ def counted(what: str, name: str, fn: Callable[[], object]) -> list[Any]:
     return kernels
 
 
-def profile_case(kernel: str, dims: dict[str, int], dtype: str, launches: int,
-                 two_pass: bool, weights: str = "") -> None:
-    spec = get_spec(kernel)
-    point = Point.make(kernel, dims, 1, 1, dtype, weights)
-    shipped = spec.canonical(lookup(kernel, dims, dtype, rows=1, weights=weights), point)
+def profile_case(kernel: str, model: str | None, dims: dict[str, int] | None, dtype: str,
+                 launches: int, two_pass: bool, weights: str = "") -> None:
+    spec, dims, point, shipped, ev = shipped_case(kernel, model, dims, dtype, weights)
     configs = [("shipped", shipped)]
     if two_pass:
         configs.append(("two-pass", spec.canonical(shipped | {"PASSES": 2}, point)))
-    ev = Evaluator(spec, point, "cuda", "cuda")
     for how, config in configs:
         name = f"{kernel} {how} {'/'.join(str(v) for v in config.values())}"
         outcome: list[Any] = []
@@ -105,7 +98,7 @@ def profile_case(kernel: str, dims: dict[str, int], dtype: str, launches: int,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--weights", default="", choices=["", "fp8-e4m3", "fp8-e5m2"],
+    ap.add_argument("--weights", default="", choices=["", *WEIGHT_FORMATS],
                     help="weight format (default: the activations' dtype)")
     ap.add_argument("--launches", type=int, default=2, help="launches of each kernel")
     ap.add_argument("--two-pass", action="store_true",
@@ -116,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}", flush=True)
     for kernel, model, dims in CASES[:3]:
-        dims = dims or get_spec(kernel).dims_from_model(models.preset(model))
-        profile_case(kernel, dims, args.dtype, args.launches, args.two_pass, args.weights)
+        profile_case(kernel, model, dims, args.dtype, args.launches, args.two_pass,
+                     args.weights)
     return 0
 
 

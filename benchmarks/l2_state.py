@@ -29,7 +29,8 @@ import triton
 
 from benchmarks.bench_decode import CASES, READ_SHAPES, shipped_case
 from benchmarks.bench_read_bw import _read_kernel, read_us
-from benchmarks.timing import as_graph, cuda_gpu, median_us
+from benchmarks.timing import as_graph, cuda_gpu, interleaved_medians, median_us
+from fusetune.kernels._spec import WEIGHT_FORMATS
 
 Fn = Callable[[], object]
 FLUSH_BYTES = 256 * 1024 * 1024  # do_bench's buffer
@@ -56,7 +57,7 @@ def flushed_median_us(fn: Fn, prelude: Fn, reps: int = 100, warmup: int = 10) ->
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--weights", default="", choices=["", "fp8-e4m3", "fp8-e5m2"],
+    ap.add_argument("--weights", default="", choices=["", *WEIGHT_FORMATS],
                     help="weight format of the kernels (default: float16 weights)")
     args = ap.parse_args(argv)
     gpu = cuda_gpu()
@@ -71,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     def clean() -> None:
         cache.zero_()
         torch.amax(other)  # reads 256 MB: the dirty lines leave, clean ones stay
+
+    timers: dict[str, Callable[[Fn], float]] = {
+        "do_bench": median_us,
+        "zeroed": lambda fn: flushed_median_us(fn, zeroed),
+        "clean": lambda fn: flushed_median_us(fn, clean),
+    }
 
     print(f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, Triton "
           f"{triton.__version__}; CUDA-graph replays, one row, float16 activations, weights "
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         block, steps, warps, unroll, evict = min(READ_SHAPES, key=lambda s, x=x: read_us(x, *s))
         grid = triton.cdiv(x.numel(), block * steps)
         part = torch.empty(grid, device="cuda", dtype=torch.float32)
-        fns = {
+        graphs = {
             f"{kernel} {'/'.join(str(v) for v in dims.values())}": as_graph(
                 lambda ev=ev, spec=spec, config=config: spec.launch(ev.inputs, ev.outputs,
                                                                     config)),
@@ -101,22 +108,19 @@ def main(argv: list[str] | None = None) -> int:
                     x, part, x.numel(), BLOCK=block, STEPS=steps, UNROLL=unroll,
                     EVICT="evict_first" if evict else "", num_warps=warps)),
         }
-        times: dict[str, dict[str, list[float]]] = {k: {"do_bench": [], "zeroed": [],
-                                                         "clean": []} for k in fns}
-        for _ in range(args.rounds):
-            for name, fn in fns.items():
-                times[name]["do_bench"].append(median_us(fn))
-                times[name]["zeroed"].append(flushed_median_us(fn, zeroed))
-                times[name]["clean"].append(flushed_median_us(fn, clean))
+        # Each graph timed the three ways in turn, round after round.
+        times = interleaved_medians({(name, how): fn for name, fn in graphs.items()
+                                     for how in timers}, args.rounds,
+                                    lambda key, fn: timers[key[1]](fn))
         cfg = "/".join(str(v) for v in config.values())
-        for name, t in times.items():
-            m = {k: statistics.median(v) for k, v in t.items()}
+        for name in graphs:
+            m = {how: times[(name, how)] for how in timers}
             print(f"| {name} | {nbytes / 1e6:.0f} | {m['do_bench']:.1f} | {m['zeroed']:.1f} | "
                   f"{m['clean']:.1f} | {m['clean'] / m['do_bench']:.2f} | "
                   f"{nbytes / m['do_bench'] / 1e6:.2f} / {nbytes / m['clean'] / 1e6:.2f} | "
                   f"{cfg if name != 'read-only, same bytes' else (block, steps, warps)} |",
                   flush=True)
-        del ev, x, fns
+        del ev, x, graphs
     return 0
 
 

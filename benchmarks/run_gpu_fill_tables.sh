@@ -20,8 +20,9 @@
 # entries among them). FILL_DB: the search database (default
 # benchmarks/results/fill_tables_h100/search.db, so that the calls add to one file; carry it).
 # FILL_TRIALS: configs per point (default 32). FILL_ARGS: more search options (--isolate
-# --trial-timeout 60: a config that hangs is recorded as such, the search goes on). FILL_WORKERS: compile-ahead processes (default 0:
-# on a fresh machine 8 of them took about 55 s to start, longer than a decode point's search).
+# --trial-timeout 60: a config that hangs is recorded as such, the search goes on).
+# FILL_WORKERS: compile-ahead processes (default 0: on a fresh machine 8 of them took about 55 s
+# to start, longer than a decode point's search).
 # Everything lands in $OUT/fill_tables.tgz (FILL_TAG: a suffix of its name), the database's
 # state after every step with it.
 #   source .whl/setup.sh && FILL_STEPS="l2_state bf16_decode" bash benchmarks/run_gpu_fill_tables.sh

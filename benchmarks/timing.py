@@ -83,15 +83,18 @@ def median_us(fn: Fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
-def interleaved_medians(fns: Mapping[K, Fn | None], rounds: int) -> dict[K, float | None]:
+def interleaved_medians(fns: Mapping[K, Fn | None], rounds: int,
+                        measure: Callable[[K, Fn], float] | None = None
+                        ) -> dict[K, float | None]:
     """median_us of each of `fns` (None: left out, its result None) in `rounds` rounds that
     take them in turn, then the median over the rounds: what the diagnostics compare side by
-    side (time_cases does the same over several cases)."""
+    side (time_cases does the same over several cases). `measure(key, fn)`: another way to
+    time a key's fn (default: median_us)."""
     times: dict[K, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
             if fn is not None:
-                times[k].append(median_us(fn))
+                times[k].append(measure(k, fn) if measure is not None else median_us(fn))
     return {k: statistics.median(v) if v else None for k, v in times.items()}
 
 

@@ -93,9 +93,7 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
             consider(json.loads(p.dims), max(1, p.batch * p.seq), p.dtype, p.weights,
                      {**(flags or {}), **w.config})
     if use_tables and key.backend == "cuda":
-        formats = [key.weights, *(f for f in WEIGHT_FORMATS if f != key.weights
-                                  and weights_distance(key.weights, f) is not None)]
-        for weights in formats:
+        for weights in dict.fromkeys((key.weights, *WEIGHT_FORMATS)):  # consider() picks
             for dims, dtype, n_rows, config in tables.tuned_entries(key.gpu, key.kernel,
                                                                     weights):
                 consider(dict(dims), n_rows, dtype, weights, config)
