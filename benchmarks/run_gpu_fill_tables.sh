@@ -13,6 +13,15 @@
 #   rope_bf16    RoPE, both pair layouts, bfloat16, the same points
 #   bf16_prefill fusetune search at 4096 rows, bfloat16: ffn, qkv, lola 768 -> 3072 and
 #                4096 -> 16384
+#   rows16_ffn_qkv, rows16_lola
+#                fusetune search at 16 rows (batch 16) for the groups whose tables had a one-row
+#                entry and 4096-row entries only: ffn and qkv with e4m3 weights and with
+#                bfloat16; lola 4096 -> 16384 (float16, bfloat16) and 768 -> 3072 (float16)
+#   rows_n       the same groups and ffn, qkv in float16, at FILL_BATCH rows (batch FILL_BATCH,
+#                seq 1; default 64), so that no group's nearest tuned row count is 4x away
+#   lookup_rows  benchmarks.lookup_rows: those groups at 2-64 rows, the log-nearest entry of any
+#                structure against the lookup now and the default heuristic (with the export's
+#                table where there is one)
 #   export       the database's winners as a table (FILL_DB's name with _tables.yaml)
 #   verify       on the shipped tables updated with that table: bench_decode (bfloat16, e5m2),
 #                bench_rope (verify_decode, verify_rope: one of the two)
@@ -85,13 +94,43 @@ for s in ${FILL_STEPS:-l2_state bf16_decode e5m2_decode rope_fp16 rope_bf16 bf16
         search "bf16_lola_${d%,*}_4096" 90 --kernel lola --dims "dim=${d%,*},out=${d#*,}" \
           --batch 1 --seq 4096 --dtype bfloat16
       done ;;
+    rows16_ffn_qkv)
+      search rows16_ffn_e4m3 150 --kernel ffn --model llama-2-7b --batch 16 --seq 1 \
+        --dtype float16 --weights fp8-e4m3
+      search rows16_ffn_bf16 150 --kernel ffn --model llama-2-7b --batch 16 --seq 1 --dtype bfloat16
+      search rows16_qkv_e4m3 150 --kernel qkv --model llama-2-7b --batch 16 --seq 1 \
+        --dtype float16 --weights fp8-e4m3
+      search rows16_qkv_bf16 150 --kernel qkv --model llama-2-7b --batch 16 --seq 1 --dtype bfloat16 ;;
+    rows16_lola)
+      for dt in float16 bfloat16; do
+        search "rows16_lola_$dt" 150 --kernel lola --dims dim=4096,out=16384 --batch 16 --seq 1 \
+          --dtype "$dt"
+      done
+      search rows16_lola_768 150 --kernel lola --dims dim=768,out=3072 --batch 16 --seq 1 \
+        --dtype float16 ;;
+    rows_n)
+      n=${FILL_BATCH:-64}
+      for kw in "ffn float16 fp8-e4m3" "ffn bfloat16 -" "ffn float16 -" "qkv float16 fp8-e4m3" \
+                "qkv bfloat16 -" "qkv float16 -"; do
+        set -- $kw
+        search "rows${n}_$1_$2_$3" 120 --kernel "$1" --model llama-2-7b --batch "$n" --seq 1 \
+          --dtype "$2" $([ "$3" != - ] && echo "--weights $3")
+      done
+      for dt in float16 bfloat16; do
+        search "rows${n}_lola_$dt" 120 --kernel lola --dims dim=4096,out=16384 --batch "$n" \
+          --seq 1 --dtype "$dt"
+      done
+      search "rows${n}_lola_768" 120 --kernel lola --dims dim=768,out=3072 --batch "$n" --seq 1 \
+        --dtype float16 ;;
+    lookup_rows) step lookup_rows 300 python3 -m benchmarks.lookup_rows --rows "${FILL_ROWS:-2,8,16,64}" \
+                   $([ -f "$tables" ] && echo "--tables $tables") ;;
     export) step export 60 python3 -m fusetune.cli export "$tables" --gpu h100 --db "$db"
             cp "$tables" "$work/" ;;
     verify) verify_decode; verify_rope ;;
     verify_decode) verify_decode ;;
     verify_rope) verify_rope ;;
     *) echo "unknown step $s (valid: l2_state bf16_decode e5m2_decode e5m2_more rope_fp16 rope_bf16
-       bf16_prefill export verify verify_decode verify_rope)"
+       bf16_prefill rows16_ffn_qkv rows16_lola rows_n lookup_rows export verify verify_decode verify_rope)"
        exit 2 ;;
   esac
 done

@@ -2,19 +2,19 @@
 
 Sources, in order: the tables given to `load_tables(path)` (or named by the environment variable
 FUSETUNE_TABLES, a path or several joined by the OS path separator), then the tables shipped
-inside the package. Lookup: the exact row count, else the nearest tuned row count (in log2)
-within the tuned range, else the kernel's default heuristic with a one-time warning.
+inside the package. Lookup: the exact row count, else the next tuned row count above it
+(within the tuned range) whose config can serve the asked rows (the matmul kernels' one-row
+structure serves one row), else the kernel's default heuristic with a one-time warning.
 
 This is the runtime path: it never imports optuna or sqlalchemy.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -270,12 +270,17 @@ def tuned_entries(gpu: str, kernel: str, weights: str = "") -> list[TunedEntry]:
     return out
 
 
-def _nearest(rows: int, entries: list[tuple[int, Config]]) -> Config | None:
-    lo, hi = entries[0][0], entries[-1][0]
-    if not lo <= rows <= hi:
+def _covering(rows: int, entries: list[tuple[int, Config]],
+              serves: Callable[[Config], bool]) -> Config | None:
+    """The config of the smallest tuned row count >= `rows` among `entries` (sorted by rows)
+    whose config `serves` these rows; None outside the tuned range or where none does.
+
+    Upwards, because a config tuned for more rows serves fewer with its tiles partly masked,
+    while one tuned for fewer rows reads the weights once per row-block (on the H100 at 64
+    rows a 16-row config took 1.6-2.6x the 4096-row one; benchmarks/lookup_rows.py)."""
+    if not entries[0][0] <= rows <= entries[-1][0]:
         return None
-    target = math.log2(rows)
-    return min(entries, key=lambda e: abs(math.log2(e[0]) - target))[1]
+    return next((config for r, config in entries if r >= rows and serves(config)), None)
 
 
 def _resolve(kernel: str, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
@@ -283,22 +288,30 @@ def _resolve(kernel: str, dims: tuple[tuple[str, int], ...], dtype: str, rows: i
     from fusetune.kernels import get_spec
 
     group: GroupKey = (gpu.name, kernel, dims, dtype, weights)
+    spec = get_spec(kernel)
+    point = Point(kernel, dims, 1, max(rows, 1), dtype, weights)
+
+    def serves(config: Config) -> bool:
+        # A structure tuned at other row counts may not apply at these: the one-row (GEMV)
+        # structure of the matmul kernels reads the weights once per row, for a few rows only.
+        return not spec.resources(config, point).unfit
+
     tuned: list[tuple[int, Config]] = []
     for tables in _tables_in_order():
         entries = tables.groups.get(group)
         if entries:
-            found = _nearest(rows, entries)
+            found = _covering(rows, entries, serves)
             if found is not None:
                 return found
             tuned = tuned or entries
-    spec = get_spec(kernel)
-    point = Point(kernel, dims, 1, max(rows, 1), dtype, weights)
     config = spec.canonical(spec.default_config(point, gpu), point)
     if group not in _warned:
         _warned.add(group)
         what = ", ".join(f"{k}={v}" for k, v in dims)
         have = (f"tuned rows {tuned[0][0]}..{tuned[-1][0]}, asked {rows}" if tuned
                 else "no tuned entries")
+        if tuned and tuned[0][0] <= rows <= tuned[-1][0]:
+            have += " (no tuned config there can serve that many rows)"
         warnings.warn(
             f"fusetune: no tuned config for {kernel} on {gpu.name} ({what}, {dtype}"
             f"{', weights ' + weights if weights else ''}; {have}): using the default heuristic "

@@ -206,15 +206,15 @@ def test_exact_rows(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("rows", "expected"),
-    [(16, CFG_A),  # |log2 16 - 0| = 4 < |4 - 9| = 5
-     (22, CFG_A),  # 4.46 vs 4.54
-     (23, CFG_C),  # 4.52 vs 4.48
-     (32, CFG_C),  # 5 vs 4
-     (2, CFG_A), (300, CFG_C)],
+    [(1, CFG_A), (2, CFG_B), (15, CFG_B), (16, CFG_B),  # the next tuned row count up
+     (17, CFG_C), (300, CFG_C), (512, CFG_C)],
 )
-def test_nearest_in_log2(tmp_path: Path, rows: int, expected: dict[str, int]) -> None:
+def test_rounds_up_to_the_next_tuned_row_count(tmp_path: Path, rows: int,
+                                               expected: dict[str, int]) -> None:
+    # A config tuned for more rows serves fewer (its tiles partly masked); one tuned for fewer
+    # would read the weights once per row-block.
     fusetune.load_tables(write(tmp_path / "t.yaml", doc({
-        "h100-sxm": [entry(1, 1, CFG_A), entry(1, 512, CFG_C)]})))
+        "h100-sxm": [entry(1, 1, CFG_A), entry(16, 1, CFG_B), entry(1, 512, CFG_C)]})))
     with warnings.catch_warnings():
         warnings.simplefilter("error", fusetune.FusetuneWarning)  # in range: no warning
         assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=rows, gpu="h100") == expected
@@ -235,6 +235,55 @@ def test_outside_range_default_and_warns_once(tmp_path: Path) -> None:
         assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1024, gpu="h100") == first
         assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, gpu="h100") == default_for(4)
         assert len(fusetune_warnings(record)) == 1
+
+
+FFN_DIMS = {"dim": 4096, "hidden": 11000}  # no shipped entries
+# The matmul kernels' one-row structure (BLOCK_M = 1: a GEMV that reads the weights once per
+# row) and tensor-core tiles.
+FFN_GEMV = {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
+            "SPLIT_K": 1, "THREAD_SUM": 1, "num_warps": 2, "num_stages": 1}
+FFN_TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2,
+             "SPLIT_K": 1, "THREAD_SUM": 0, "num_warps": 8, "num_stages": 3}
+
+
+def ffn_entry(batch: int, seq: int, config: dict[str, int]) -> dict[str, Any]:
+    return {"dims": dict(FFN_DIMS), "dtype": "float16", "batch": batch, "seq": seq,
+            "config": dict(config)}
+
+
+def ffn_config(rows: int) -> dict[str, int]:
+    got = fusetune.lookup("ffn", FFN_DIMS, "float16", rows=rows, gpu="h100")
+    return {k: got[k] for k in FFN_GEMV}
+
+
+@pytest.mark.parametrize(("rows", "expected"),
+                         [(1, FFN_GEMV),  # the one-row structure's one row
+                          # past the GEMV's row: the next entry up
+                          (2, FFN_TILES), (16, FFN_TILES), (64, FFN_TILES),
+                          (4096, FFN_TILES)])
+def test_lookup_skips_a_structure_that_cannot_serve_the_rows(tmp_path: Path, rows: int,
+                                                             expected: dict[str, int]) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({
+        "h100-sxm": [ffn_entry(1, 1, FFN_GEMV), ffn_entry(1, 4096, FFN_TILES)]}, kernel="ffn")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusetune.FusetuneWarning)  # a tuned config serves
+        assert ffn_config(rows) == expected
+
+
+def test_default_where_no_tuned_structure_serves_the_rows(tmp_path: Path) -> None:
+    # Both entries are one-row configs (a hand-written table may hold one at 64 rows): at 16
+    # rows neither serves, so the default heuristic runs, with a warning that says why.
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({
+        "h100-sxm": [ffn_entry(1, 1, FFN_GEMV), ffn_entry(64, 1, FFN_GEMV)]}, kernel="ffn")))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = fusetune.lookup("ffn", FFN_DIMS, "float16", rows=16, gpu="h100")
+    assert got["BLOCK_M"] > 1
+    point = Point.make("ffn", FFN_DIMS, 1, 16, "float16")
+    ffn = get_spec("ffn")
+    assert got == ffn.canonical(ffn.default_config(point, gpus.resolve("h100")), point)
+    (msg,) = fusetune_warnings(record)
+    assert "tuned rows 1..64, asked 16 (no tuned config there can serve that many rows)" in msg
 
 
 def test_other_dtype_uses_default(tmp_path: Path) -> None:

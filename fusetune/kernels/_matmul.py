@@ -594,8 +594,11 @@ def tma_smem(config: Config, x_elt: int, w_elt: int, n_weights: int) -> int:
 
 
 # BLOCK_M = 1 multiplies each weight once per row, in float32 on the CUDA cores: at 16 rows of
-# the Llama-2-7B ffn on the H200 it took 330-1300 µs against 60-80 for 16-row tensor-core tiles.
-GEMV_MAX_ROWS = 4
+# the Llama-2-7B ffn on the H200 it took 330-1300 µs against 60-80 for 16-row tensor-core tiles,
+# and on the H100 already at 2 rows the tuned one-row configs took 1.2-1.6x the default 16-row
+# tile (ffn, qkv and lola, 16-bit and e4m3 weights; lola 768 -> 3072 even; benchmarks/
+# lookup_rows.py, BENCHMARKS.md). So it serves one row.
+GEMV_MAX_ROWS = 1
 
 
 def gemv_flag(config: Config, name: str) -> int:
