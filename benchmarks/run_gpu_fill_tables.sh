@@ -30,7 +30,8 @@
 # benchmarks/results/fill_tables_h100/search.db, so that the calls add to one file; carry it).
 # FILL_TRIALS: configs per point (default 32). FILL_ARGS: more search options (--isolate
 # --trial-timeout 60: a config that hangs is recorded as such, the search goes on).
-# FILL_WORKERS: compile-ahead processes (default 0: on a fresh machine 8 of them took about 55 s
+# FILL_ONLY: the names of the searches to run (e.g. "rows64_lola_float16"; the step logs' names),
+# the others of a step skipped. FILL_WORKERS: compile-ahead processes (default 0: on a fresh machine 8 of them took about 55 s
 # to start, longer than a decode point's search).
 # Everything lands in $OUT/fill_tables.tgz (FILL_TAG: a suffix of its name), the database's
 # state after every step with it.
@@ -45,6 +46,7 @@ tables=${dbfile%.db}_tables.yaml
 trials=${FILL_TRIALS:-32}
 search() {  # NAME LIMIT_S ARGS...: fusetune search on this GPU into the database
   local name=$1 limit=$2; shift 2
+  if [ -n "${FILL_ONLY:-}" ] && [[ " $FILL_ONLY " != *" $name "* ]]; then return; fi
   step "$name" "$limit" python3 -m fusetune.cli search --gpu h100 --db "$db" \
     --trials "$trials" --compile-workers "${FILL_WORKERS:-0}" ${FILL_ARGS:-} "$@"
 }

@@ -71,6 +71,18 @@ def test_neighbours_come_nearest_first_from_other_rows_and_other_dims(sqlite_url
                              same_shape=False) == [{"BLOCK_N": 3}]
 
 
+def test_among_equally_near_points_the_one_of_more_rows_seeds_first(sqlite_url: str) -> None:
+    # 64 rows lie 6 factors of two from both 1 and 4096 rows: the 4096-row winner comes first
+    # (as the lookup rounds up), whichever was stored first.
+    store = Store(sqlite_url)
+    stored_winner(store, key(FFN, seq=4096), 4096)
+    stored_winner(store, key(FFN), 1)
+    me = key(FFN, batch=64)
+    assert neighbour_winners(store, me, None, limit=1, use_tables=False) == [{"BLOCK_N": 4096}]
+    assert neighbour_winners(store, me, None, limit=2, use_tables=False) == [
+        {"BLOCK_N": 4096}, {"BLOCK_N": 1}]
+
+
 def test_the_other_fp8_format_seeds_an_fp8_point_one_step_farther(
         sqlite_url: str, tmp_path: Path, fresh_tables: None) -> None:
     assert weights_distance("fp8-e5m2", "fp8-e5m2") == 0

@@ -65,7 +65,9 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
                       same_shape: bool = True, flags: Mapping[str, int] | None = None
                       ) -> list[Config]:
     """Distinct winners of the `limit` points nearest to `key` (point_distance, at most
-    MAX_DISTANCE; among equals the database's before the tables', newest first), leaving out
+    MAX_DISTANCE; among equals the one of more rows first, as the lookup rounds up: a config
+    tuned for more rows serves fewer, not the reverse; then the database's before the
+    tables', newest first), leaving out
     the point `point_id` itself. use_tables: the lookup tables' entries for key.gpu count as
     points too. same_shape=False also leaves out winners of key's very shape (dims, rows,
     dtype) stored under another version or in a table: what a replay does, where those may
@@ -73,7 +75,7 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
     gained a flag ran with the flag's default, and is returned with it (as the tables'
     validated entries are), so that it is the same config as its twin in a table."""
     rows = max(1, key.batch * key.seq)
-    found: list[tuple[float, int, Config]] = []
+    found: list[tuple[float, int, int, Config]] = []
 
     def consider(dims: Mapping[str, int], n_rows: int, dtype: str, weights: str,
                  config: Config) -> None:
@@ -86,7 +88,7 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
         # weight format.
         if d > MAX_DISTANCE or (not same_shape and d == 0):
             return
-        found.append((d, len(found), dict(config)))
+        found.append((d, -n_rows, len(found), dict(config)))
 
     for p, w in store.winners(gpu=key.gpu, kernel=key.kernel):  # newest first
         if p.id != point_id and p.backend == key.backend:
@@ -97,10 +99,10 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
             for dims, dtype, n_rows, config in tables.tuned_entries(key.gpu, key.kernel,
                                                                     weights):
                 consider(dict(dims), n_rows, dtype, weights, config)
-    found.sort(key=lambda t: (t[0], t[1]))
+    found.sort(key=lambda t: (t[0], t[1], t[2]))
     out: list[Config] = []
     seen: set[str] = set()
-    for _, _, config in found:
+    for _, _, _, config in found:
         if (k := config_key(config)) not in seen:
             seen.add(k)
             out.append(config)
