@@ -293,7 +293,7 @@ def _resolve(kernel: str, dims: tuple[tuple[str, int], ...], dtype: str, rows: i
 
     def serves(config: Config) -> bool:
         # A structure tuned at other row counts may not apply at these: the one-row (GEMV)
-        # structure of the matmul kernels reads the weights once per row, for a few rows only.
+        # structure of the matmul kernels reads the weights once per row, so it serves one.
         return not spec.resources(config, point).unfit
 
     tuned: list[tuple[int, Config]] = []

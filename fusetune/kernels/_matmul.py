@@ -622,7 +622,7 @@ def gemv_resources(config: Config, rows: int, w_bytes: int, n_weights: int) -> R
     unfit = ""
     if rows > GEMV_MAX_ROWS:
         unfit = (f"structure: BLOCK_M=1 (one row per program) re-reads the weights for each of "
-                 f"the {rows} rows; it is for <= {GEMV_MAX_ROWS} rows")
+                 f"the {rows} rows; it is for at most {GEMV_MAX_ROWS} row(s)")
     return Resources(smem_bytes=4 * bk, regs_per_thread=regs, threads=threads, unfit=unfit)
 
 

@@ -66,14 +66,13 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
                       ) -> list[Config]:
     """Distinct winners of the `limit` points nearest to `key` (point_distance, at most
     MAX_DISTANCE; among equals the one of more rows first, as the lookup rounds up: a config
-    tuned for more rows serves fewer, not the reverse; then the database's before the
-    tables', newest first), leaving out
-    the point `point_id` itself. use_tables: the lookup tables' entries for key.gpu count as
-    points too. same_shape=False also leaves out winners of key's very shape (dims, rows,
-    dtype) stored under another version or in a table: what a replay does, where those may
-    come from the grid itself. `flags` (KernelSpec.flags): a winner stored before the kernel
-    gained a flag ran with the flag's default, and is returned with it (as the tables'
-    validated entries are), so that it is the same config as its twin in a table."""
+    tuned for more rows serves fewer, not the reverse; then the database's before the tables',
+    newest first), leaving out the point `point_id` itself. use_tables: the lookup tables'
+    entries for key.gpu count as points too. same_shape=False also leaves out winners of key's
+    very shape (dims, rows, dtype) stored under another version or in a table: what a replay
+    does, where those may come from the grid itself. `flags` (KernelSpec.flags): a winner stored
+    before the kernel gained a flag ran with the flag's default, and is returned with it (as the
+    tables' validated entries are), so that it is the same config as its twin in a table."""
     rows = max(1, key.batch * key.seq)
     found: list[tuple[float, int, int, Config]] = []
 
@@ -99,7 +98,7 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
             for dims, dtype, n_rows, config in tables.tuned_entries(key.gpu, key.kernel,
                                                                     weights):
                 consider(dict(dims), n_rows, dtype, weights, config)
-    found.sort(key=lambda t: (t[0], t[1], t[2]))
+    found.sort(key=lambda t: t[:3])  # distance, more rows first, order found
     out: list[Config] = []
     seen: set[str] = set()
     for _, _, _, config in found:
