@@ -9,7 +9,11 @@ regardless of its structure ("nearest, any structure": the rule before), the con
 lookup gives now, and the default heuristic; each checked against the reference first,
 timed as CUDA-graph replays (do_bench medians, L2 flushed, median of interleaved rounds).
 
+With `--entry-rows R` the tuned entry of exactly R rows is timed beside them (e.g. 4096: what
+the lookup rounded 65-4095 rows up to where no entry lay between).
+
     python -m benchmarks.lookup_rows [--tables T.yaml] [--rows 2,4,8,16,64] [--rounds 3]
+                                     [--entry-rows 4096]
 """
 
 from __future__ import annotations
@@ -57,6 +61,15 @@ def nearest_any_structure(kernel: str, dims: dict[str, int], dtype: str, weights
     return min(entries, key=lambda e: abs(math.log2(e[0]) - math.log2(rows)))[1]
 
 
+def entry_of(kernel: str, dims: dict[str, int], dtype: str, weights: str, rows: int
+             ) -> Config | None:
+    """The tuned config of exactly `rows` rows, or None."""
+    gpu = gpu_for_device(torch.device("cuda")).name
+    key = tuple(sorted(dims.items()))
+    return next((c for d, t, r, c in tuned_entries(gpu, kernel, weights)
+                 if d == key and t == dtype and r == rows), None)
+
+
 def short(config: Config) -> str:
     return "/".join(str(config.get(k, 0)) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PASSES"))
 
@@ -66,13 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tables", help="a table loaded before the shipped ones")
     ap.add_argument("--rows", default="2,4,8,16,64")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--entry-rows", type=int, help="also time the tuned entry of this many rows")
     args = ap.parse_args(argv)
     gpu = cuda_gpu()
     if gpu is None:
         return 2
     if args.tables:
         fusetune.load_tables(args.tables)
-    labels = ("nearest, any structure", "lookup now", "default")
+    labels: tuple[str, ...] = ("nearest, any structure", "lookup now", "default")
+    if args.entry_rows:
+        labels += (f"{args.entry_rows}-row entry",)
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{triton.__version__}; µs of CUDA-graph replays (do_bench medians, L2 flushed, "
           f"median of {args.rounds} interleaved rounds); configs as BLOCK_M/BLOCK_N/BLOCK_K/"
@@ -89,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                 labels[1]: lookup(kernel, dims, dtype, rows=rows, weights=weights),
                 labels[2]: spec.canonical(spec.default_config(point, gpu), point),
             }
+            if args.entry_rows:
+                configs[labels[3]] = entry_of(kernel, dims, dtype, weights, args.entry_rows)
             ev = Evaluator(spec, point, "cuda", "cuda")
             fns: dict[str, Callable[[], object] | None] = {}
             for label, config in configs.items():

@@ -286,6 +286,13 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the launchers' grids: plain integer arithmetic (triton.cdiv, a
+    constexpr function, costs a few µs of CPU per call from Python, and a launch makes up to
+    three of them)."""
+    return -(-a // b)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     import torch
 
@@ -295,7 +302,13 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise TypeError(f"unsupported dtype {dtype}; valid: {', '.join(DTYPES)}")
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = str(dtype).removeprefix("torch.")
+        if name not in DTYPES:
+            raise TypeError(f"unsupported dtype {dtype}; valid: {', '.join(DTYPES)}")
+        _dtype_names[dtype] = name
     return name
+
+
+_dtype_names: dict[torch.dtype, str] = {}  # dtype_name's answers (a launcher asks every call)

@@ -55,6 +55,7 @@ from fusetune.kernels._spec import (
     Resources,
     Tensors,
     as_rows,
+    cdiv,
     check_device,
     dtype_name,
     torch_dtype,
@@ -164,7 +165,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
     if split > 1:
         ws = torch.empty((2 * split, m, n), dtype=torch.float32, device=x.device)
         wsq = torch.empty((split, m), dtype=torch.float32, device=x.device)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _ffn_kernel[grid](

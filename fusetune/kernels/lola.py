@@ -60,6 +60,7 @@ from fusetune.kernels._spec import (
     Resources,
     Tensors,
     as_rows,
+    cdiv,
     check_device,
     dtype_name,
     next_pow2,
@@ -249,7 +250,7 @@ def layernorm_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
     if m == 0:
         return y
     block, rows, warps = layernorm_pass_launch(k)
-    _layernorm_kernel[(triton.cdiv(m, rows),)](x, y, m, k, x.stride(0), eps, BLOCK_K=block,
+    _layernorm_kernel[(cdiv(m, rows),)](x, y, m, k, x.stride(0), eps, BLOCK_K=block,
                                                 ROWS=rows, SINGLE_PASS=block >= k,
                                                 num_warps=warps)
     return y
@@ -288,7 +289,7 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         wst = torch.empty((split, 2 * m + n), dtype=torch.float32, device=x.device)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = cdiv(m, bm) * cdiv(n, bn)
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _lola_kernel[grid](

@@ -59,6 +59,7 @@ from fusetune.kernels._spec import (
     Point,
     Resources,
     Tensors,
+    cdiv,
     check_device,
     dtype_name,
     torch_dtype,
@@ -264,8 +265,8 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
         ws = torch.empty((2 * split, m, nq_pairs + 2 * nkv_pairs), dtype=torch.float32,
                          device=x.device)
         wsq = torch.empty((split, m), dtype=torch.float32, device=x.device)
-    n_blocks = triton.cdiv(nq_pairs, bn) + 2 * triton.cdiv(nkv_pairs, bn)
-    tiles = triton.cdiv(m, config["BLOCK_M"]) * n_blocks
+    n_blocks = cdiv(nq_pairs, bn) + 2 * cdiv(nkv_pairs, bn)
+    tiles = cdiv(m, config["BLOCK_M"]) * n_blocks
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _qkv_kernel[grid](

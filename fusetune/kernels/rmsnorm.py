@@ -23,6 +23,7 @@ from fusetune.kernels._spec import (
     Resources,
     Tensors,
     as_rows,
+    cdiv,
     check_device,
     dtype_name,
     next_pow2,
@@ -92,7 +93,7 @@ def _launch_2d(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, eps: floa
     if m == 0:
         return
     block_d, rows = config["BLOCK_D"], config["ROWS"]
-    grid = (triton.cdiv(m, rows),)
+    grid = (cdiv(m, rows),)
     _rmsnorm_kernel[grid](
         x, weight, y, m, d, x.stride(0), y.stride(0), eps,
         BLOCK_D=block_d, ROWS=rows, SINGLE_PASS=block_d >= d,

@@ -27,6 +27,7 @@ from fusetune.kernels._spec import (
     Point,
     Resources,
     Tensors,
+    cdiv,
     check_device,
     dtype_name,
     next_pow2,
@@ -102,7 +103,7 @@ def _launch_4d(x: torch.Tensor, y: torch.Tensor, start_pos: int, theta: float, i
     if tokens == 0 or heads == 0:
         return
     half = d // 2
-    grid = (triton.cdiv(tokens, config["BLOCK_T"]), triton.cdiv(heads, config["BLOCK_H"]))
+    grid = (cdiv(tokens, config["BLOCK_T"]), cdiv(heads, config["BLOCK_H"]))
     _rope_kernel[grid](
         x, y, tokens, seq, heads, half, start_pos, -math.log2(theta) / half,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
