@@ -6,7 +6,12 @@ kernel at one shape this script measures the cost of one call (no waiting for th
 the number of Triton launches in it, then profiles 2000 calls with cProfile, printing the
 functions with the most time of their own.
 
-    python -m benchmarks.host_profile [--kernels lola,ffn,qkv,rmsnorm,rope] [--top 18]
+With `--stub` (no GPU needed) the tensors are on the CPU and every Triton kernel of fusetune
+is replaced by a launch that does nothing: what is left is fusetune's own Python per call
+(checks, lookup, views, allocations; the CPU path, so no TMA descriptors), comparable
+between versions of fusetune on one machine.
+
+    python -m benchmarks.host_profile [--kernels lola,ffn,qkv,rmsnorm,rope] [--top 18] [--stub]
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
+import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,11 +33,10 @@ import fusetune
 from benchmarks.timing import cuda_gpu, host_us_per_call
 
 
-def cases() -> dict[str, tuple[str, Callable[[], Any]]]:
+def cases(dev: str = "cuda") -> dict[str, tuple[str, Callable[[], Any]]]:
     """kernel -> (shape, a call of it), Llama-2-7B / GPT-2 sizes, fp16."""
     torch.manual_seed(0)
     h = torch.float16
-    dev = "cuda"
     x1 = torch.randn(1, 4096, device=dev, dtype=h)
     g = torch.ones(4096, device=dev, dtype=h)
     w1 = torch.randn(11008, 4096, device=dev, dtype=h) / 64
@@ -49,22 +56,69 @@ def cases() -> dict[str, tuple[str, Callable[[], Any]]]:
     }
 
 
+class _NoLaunch:
+    """A kernel whose launches do nothing (--stub)."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def stub_kernels() -> int:
+    """Replaces every Triton kernel object in fusetune's kernel modules by _NoLaunch; returns
+    how many. For this diagnostic's process only: the kernels cannot run afterwards."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import KernelInterface
+
+    import fusetune.kernels
+
+    n = 0
+    for info in pkgutil.iter_modules(fusetune.kernels.__path__):
+        mod = importlib.import_module(f"fusetune.kernels.{info.name}")
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, KernelInterface):
+                setattr(mod, name, _NoLaunch())
+                n += 1
+    return n
+
+
+def cpu_us_per_call(fn: Callable[[], Any], n: int = 2000) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default="lola,ffn,qkv,rmsnorm,rope")
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--stub", action="store_true",
+                    help="CPU tensors, Triton launches replaced by no-ops (no GPU needed)")
     args = ap.parse_args()
-    if cuda_gpu() is None:
-        return 2
     import triton
 
     from fusetune.tuner.launches import launched_kernels
 
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
-          f"{triton.__version__}, Python {sys.version.split()[0]}; µs of CPU per call")
-    all_cases = cases()
+    if args.stub:
+        os.environ["TRITON_INTERPRET"] = "1"  # fusetune accepts CPU tensors under it
+        warnings.simplefilter("ignore", fusetune.FusetuneWarning)  # default configs on the CPU
+        print(f"CPU, launches stubbed ({stub_kernels()} kernel objects), torch "
+              f"{torch.__version__}, Triton {triton.__version__}, Python "
+              f"{sys.version.split()[0]}, fusetune from {fusetune.__file__}; µs of CPU per call")
+    else:
+        if cuda_gpu() is None:
+            return 2
+        print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
+              f"{triton.__version__}, Python {sys.version.split()[0]}; µs of CPU per call")
+    all_cases = cases("cpu" if args.stub else "cuda")
     for name in args.kernels.split(","):
         shape, fn = all_cases[name]
+        if args.stub:
+            print(f"\n## {name} ({shape}): {cpu_us_per_call(fn):.1f} µs per call")
+            continue
         with launched_kernels() as kernels:
             fn()
         torch.cuda.synchronize()

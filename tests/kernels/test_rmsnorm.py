@@ -11,7 +11,7 @@ import fusetune
 from fusetune import gpus
 from fusetune.kernels import REGISTRY, get_spec
 from fusetune.kernels import rmsnorm as rmsnorm_mod
-from fusetune.kernels._spec import ConfigError, Point, next_pow2
+from fusetune.kernels._spec import ConfigError, Point, cdiv, dtype_name, next_pow2
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -207,6 +207,14 @@ def test_unsupported_dtype_raises_type_error(dtype: torch.dtype) -> None:
     w = torch.ones(64, dtype=dtype, device=DEVICE)
     with pytest.raises(TypeError, match="unsupported dtype"):
         fusetune.rmsnorm(x, w)
+
+
+def test_launch_helpers_grid_arithmetic_and_dtype_names() -> None:
+    assert [cdiv(a, 4) for a in (0, 1, 3, 4, 5, 8, 9)] == [0, 1, 1, 1, 2, 2, 3]
+    assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name(torch.float32) == "float32"
+    for _ in range(2):  # answers are remembered; refusals are not
+        with pytest.raises(TypeError, match=r"unsupported dtype torch\.int8"):
+            dtype_name(torch.int8)
 
 
 def test_scalar_input_rejected() -> None:
