@@ -251,8 +251,7 @@ def layernorm_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
         return y
     block, rows, warps = layernorm_pass_launch(k)
     _layernorm_kernel[(cdiv(m, rows),)](x, y, m, k, x.stride(0), eps, BLOCK_K=block,
-                                                ROWS=rows, SINGLE_PASS=block >= k,
-                                                num_warps=warps)
+                                        ROWS=rows, SINGLE_PASS=block >= k, num_warps=warps)
     return y
 
 
