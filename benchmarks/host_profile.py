@@ -22,7 +22,6 @@ import io
 import os
 import pstats
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -83,14 +82,6 @@ def stub_kernels() -> int:
     return n
 
 
-def cpu_us_per_call(fn: Callable[[], Any], n: int = 2000) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", default="lola,ffn,qkv,rmsnorm,rope")
@@ -117,7 +108,7 @@ def main() -> int:
     for name in args.kernels.split(","):
         shape, fn = all_cases[name]
         if args.stub:
-            print(f"\n## {name} ({shape}): {cpu_us_per_call(fn):.1f} µs per call")
+            print(f"\n## {name} ({shape}): {host_us_per_call(fn):.1f} µs per call")
             continue
         with launched_kernels() as kernels:
             fn()

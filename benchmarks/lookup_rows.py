@@ -48,26 +48,26 @@ CASES: tuple[tuple[str, dict[str, int], str, str], ...] = (
 )
 
 
-def nearest_any_structure(kernel: str, dims: dict[str, int], dtype: str, weights: str,
-                          rows: int) -> Config | None:
-    """The tuned config of the row count nearest to `rows` in log2, within the tuned range,
-    whatever its structure (the lookup's rule before it checked the structure)."""
+def group_entries(kernel: str, dims: dict[str, int], dtype: str, weights: str
+                  ) -> list[tuple[int, Config]]:
+    """(rows, config) of the tuned entries of this GPU for the group, sorted by rows."""
     gpu = gpu_for_device(torch.device("cuda")).name
     key = tuple(sorted(dims.items()))
-    entries = sorted((r, c) for d, t, r, c in tuned_entries(gpu, kernel, weights)
-                     if d == key and t == dtype)
+    return sorted(((r, c) for d, t, r, c in tuned_entries(gpu, kernel, weights)
+                   if d == key and t == dtype), key=lambda e: e[0])
+
+
+def nearest_any_structure(entries: list[tuple[int, Config]], rows: int) -> Config | None:
+    """The tuned config of the row count nearest to `rows` in log2, within the tuned range,
+    whatever its structure (the lookup's rule before it checked the structure)."""
     if not entries or not entries[0][0] <= rows <= entries[-1][0]:
         return None
     return min(entries, key=lambda e: abs(math.log2(e[0]) - math.log2(rows)))[1]
 
 
-def entry_of(kernel: str, dims: dict[str, int], dtype: str, weights: str, rows: int
-             ) -> Config | None:
+def entry_of(entries: list[tuple[int, Config]], rows: int) -> Config | None:
     """The tuned config of exactly `rows` rows, or None."""
-    gpu = gpu_for_device(torch.device("cuda")).name
-    key = tuple(sorted(dims.items()))
-    return next((c for d, t, r, c in tuned_entries(gpu, kernel, weights)
-                 if d == key and t == dtype and r == rows), None)
+    return next((c for r, c in entries if r == rows), None)
 
 
 def short(config: Config) -> str:
@@ -97,16 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---:|" + "---:|" * len(labels) + "---|")
     for kernel, dims, dtype, weights in CASES:
         spec = get_spec(kernel)
+        entries = group_entries(kernel, dims, dtype, weights)
         for rows in (int(r) for r in args.rows.split(",")):
             point = Point.make(kernel, dims, rows, 1, dtype, weights)
-            nearest = nearest_any_structure(kernel, dims, dtype, weights, rows)
+            nearest = nearest_any_structure(entries, rows)
             configs = {
                 labels[0]: nearest,
                 labels[1]: lookup(kernel, dims, dtype, rows=rows, weights=weights),
                 labels[2]: spec.canonical(spec.default_config(point, gpu), point),
             }
             if args.entry_rows:
-                configs[labels[3]] = entry_of(kernel, dims, dtype, weights, args.entry_rows)
+                configs[labels[3]] = entry_of(entries, args.entry_rows)
             ev = Evaluator(spec, point, "cuda", "cuda")
             fns: dict[str, Callable[[], object] | None] = {}
             for label, config in configs.items():
