@@ -35,13 +35,15 @@ from fusetune.tuner.bench import Evaluator
 
 LLAMA_FFN = {"dim": 4096, "hidden": 11008}
 LLAMA_QKV = {"dim": 4096, "head_dim": 128, "interleaved": 1, "n_heads": 32, "n_kv_heads": 32}
-# (kernel, dims, activations, weights): the groups whose tables held a one-row entry and
-# prefill entries only.
+# (kernel, dims, activations, weights): the groups of the H100 tables tuned at several row
+# counts (first those that held a one-row entry and prefill entries only).
 CASES: tuple[tuple[str, dict[str, int], str, str], ...] = (
     ("ffn", LLAMA_FFN, "float16", "fp8-e4m3"),
     ("ffn", LLAMA_FFN, "bfloat16", ""),
+    ("ffn", LLAMA_FFN, "float16", ""),
     ("qkv", LLAMA_QKV, "float16", "fp8-e4m3"),
     ("qkv", LLAMA_QKV, "bfloat16", ""),
+    ("qkv", LLAMA_QKV, "float16", ""),
     ("lola", {"dim": 4096, "out": 16384}, "float16", ""),
     ("lola", {"dim": 4096, "out": 16384}, "bfloat16", ""),
     ("lola", {"dim": 768, "out": 3072}, "float16", ""),

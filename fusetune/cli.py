@@ -57,13 +57,13 @@ def gpus() -> None:
     visible = g.visible_gpus()
     t = Table(title="GPU catalogue")
     for col in ("name", "aliases", "device name", "cc", "SMs", "smem/block KB", "regs/block",
-                "GB/s", "fp16 TF/s", "bf16 TF/s", "FP8 MMA", "visible"):
+                "GB/s", "fp16 TF/s", "bf16 TF/s", "FP8 MMA", "fp8 TF/s", "visible"):
         t.add_column(col)
     for r in g.format_catalogue(visible):
         t.add_row(str(r["name"]), str(r["aliases"]), str(r["display"]), str(r["cc"]),
                   str(r["sms"]), str(r["smem_kb"]), str(r["regs"]), str(r["bandwidth_gbs"]),
                   str(r["fp16_tflops"]), str(r["bf16_tflops"]), str(r["fp8"]),
-                  f"[bold green]{r['visible']}[/]" if r["visible"] else "")
+                  str(r["fp8_tflops"]), f"[bold green]{r['visible']}[/]" if r["visible"] else "")
     console.print(t)
     if not visible:
         console.print("No CUDA GPU is visible here: `fusetune search` would use the Triton "
@@ -406,7 +406,7 @@ def _print_summary(results: Sequence[Any], target: Any) -> None:
     for r in results:
         gbs = r.cost.bytes / (r.time_us * 1e3) if r.time_us else None
         pct = 100 * gbs / gpu.bandwidth_gbs if gbs and gpu.bandwidth_gbs else None
-        peak = gpu.peak_bf16_tflops if r.point.dtype == "bfloat16" else gpu.peak_fp16_tflops
+        peak = gpu.peak_tflops(r.point.dtype, r.point.weights)
         floor = r.cost.floor_us(gpu.bandwidth_gbs, peak)  # datasheet rates: a lower bound
         failed = sum(n for s, n in r.statuses.items() if s not in ("ok", "infeasible"))
         t.add_row(r.point.label, _config_str(r.winner), _fmt(r.time_us, ".2f"),
@@ -607,7 +607,8 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--gpu", "gpu_name", default=None, help="Only this GPU (name or alias).")
 @click.option("--kernel", "-k", default=None, help="Only this kernel.")
-@click.option("--db", default=DEFAULT_DB, show_default=True, help="Database URL.")
+@click.option("--db", "--storage", "db", default=DEFAULT_DB, show_default=True,
+              help="Database URL (sqlite:///..., postgresql://...).")
 @click.option("--update", is_flag=True,
               help="PATH is an existing table: put the database's winners into it (each "
                    "replaces the entry of the same point: GPU, kernel, dims, dtype, weights, "
@@ -644,7 +645,8 @@ def export(path: str, gpu_name: str | None, kernel: str | None, db: str, update:
 
 
 @main.command()
-@click.option("--db", default=DEFAULT_DB, show_default=True, help="Database URL.")
+@click.option("--db", "--storage", "db", default=DEFAULT_DB, show_default=True,
+              help="Database URL (sqlite:///..., postgresql://...).")
 @click.option("--gpu", "gpu_name", default=None, help="Only this GPU.")
 @click.option("--kernel", "-k", default=None, help="Only this kernel.")
 @click.option("--point", "point_id", type=int, default=None,

@@ -97,9 +97,9 @@ _OPTIONS = (
                       "scale per output channel, as from fusetune.quantize_fp8), or fp16 / bf16, "
                       "the activations' own dtype (the default; weights other than FP8 are read "
                       "in x's dtype). Part of each point's key and of the exported tables."),
-    click.option("--db", default=DEFAULT_DB, show_default=True,
+    click.option("--db", "--storage", "db", default=DEFAULT_DB, show_default=True,
                  help="Database URL for results and Optuna studies (sqlite:///..., "
-                      "postgresql://...)."),
+                      "postgresql://... where several hosts tune together)."),
     click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="auto",
                  show_default=True,
                  help="cuda, or Triton's CPU interpreter (meaningless timings; automatic when no "

@@ -55,6 +55,16 @@ class GpuSpec:
     # kernels can multiply FP8 weights by FP8-quantized activations (ACT_FP8 = 1). Elsewhere
     # FP8 weights are upcast in registers and the e4m3 type is decoded from its bytes.
     fp8_tensor_cores: bool = False
+    # Dense FP8 tensor-core rate with float32 accumulation (the kernels' tl.dot), datasheet.
+    peak_fp8_tflops: float | None = None
+
+    def peak_tflops(self, dtype: str, weights: str = "") -> float | None:
+        """The datasheet rate that bounds a point's products from below: FP8 where its weights
+        are FP8 and the GPU has FP8 tensor cores (ACT_FP8 configs multiply on them), else the
+        activations' 16-bit rate (float32 activations included: a lower bound)."""
+        if weights.startswith("fp8") and self.fp8_tensor_cores and self.peak_fp8_tflops:
+            return self.peak_fp8_tflops
+        return self.peak_bf16_tflops if dtype == "bfloat16" else self.peak_fp16_tflops
 
     @property
     def tma(self) -> bool:
@@ -120,6 +130,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         peak_fp16_tflops=165.2,
         peak_bf16_tflops=165.2,
         fp8_tensor_cores=True,
+        peak_fp8_tflops=330.3,
         **_COMMON,
     ),
     GpuSpec(
@@ -166,6 +177,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         peak_fp16_tflops=121.0,
         peak_bf16_tflops=121.0,
         fp8_tensor_cores=True,
+        peak_fp8_tflops=242.5,
         **_COMMON,
     ),
     GpuSpec(
@@ -182,6 +194,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         peak_fp16_tflops=989.0,
         peak_bf16_tflops=989.0,
         fp8_tensor_cores=True,
+        peak_fp8_tflops=1979.0,
         **_COMMON,
     ),
     GpuSpec(
@@ -198,6 +211,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         peak_fp16_tflops=756.0,
         peak_bf16_tflops=756.0,
         fp8_tensor_cores=True,
+        peak_fp8_tflops=1513.0,
         **_COMMON,
     ),
     GpuSpec(
@@ -214,6 +228,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         peak_fp16_tflops=989.0,
         peak_bf16_tflops=989.0,
         fp8_tensor_cores=True,
+        peak_fp8_tflops=1979.0,
         **_COMMON,
     ),
 )
@@ -501,6 +516,7 @@ def _row(spec: GpuSpec, visible: str) -> dict[str, object]:
         "fp16_tflops": _num(spec.peak_fp16_tflops),
         "bf16_tflops": _num(spec.peak_bf16_tflops),
         "fp8": "yes" if spec.fp8_tensor_cores else "",
+        "fp8_tflops": _num(spec.peak_fp8_tflops) if spec.fp8_tensor_cores else "",
         "visible": visible,
         "known": spec.known,
     }

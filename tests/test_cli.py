@@ -182,6 +182,11 @@ def test_show_and_export_on_empty_db(db_url: str, tmp_path: Path) -> None:
     r = invoke("export", str(tmp_path / "t.yaml"), "--db", db_url)
     assert r.exit_code != 0 and "no winners" in r.output
     assert not (tmp_path / "t.yaml").exists()
+    # --storage is the same option (Optuna's word for the database URL)
+    r = invoke("show", "--storage", db_url)
+    assert r.exit_code == 0 and "holds no points" in r.output
+    r = invoke("export", str(tmp_path / "t.yaml"), "--storage", db_url)
+    assert r.exit_code != 0 and "no winners" in r.output
 
 
 def test_export_update(db_url: str, tmp_path: Path) -> None:
