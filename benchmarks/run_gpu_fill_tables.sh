@@ -19,6 +19,12 @@
 #                bfloat16; lola 4096 -> 16384 (float16, bfloat16) and 768 -> 3072 (float16)
 #   rows_n       the same groups and ffn, qkv in float16, at FILL_BATCH rows (batch FILL_BATCH,
 #                seq 1; default 64), so that no group's nearest tuned row count is 4x away
+#   stale_decode fusetune search at one row, float16 activations, for the entries tuned before
+#                THREAD_SUM and SPREAD were in the spaces: lola 4096 -> 11008 (float16 and
+#                e4m3 weights), lola 768 -> 3072, qkv with half-split pairs; then
+#                bench_decode on those cases with the export's table
+#   fp8_prefill  fusetune search at 4096 rows (seq 4096) for the FP8 groups tuned at one row
+#                only: ffn and qkv with e5m2 weights, lola 4096 -> 16384 with e4m3 and e5m2
 #   lookup_rows  benchmarks.lookup_rows: those groups at 2-64 rows, the log-nearest entry of any
 #                structure against the lookup now and the default heuristic (with the export's
 #                table where there is one)
@@ -110,6 +116,30 @@ for s in ${FILL_STEPS:-l2_state bf16_decode e5m2_decode rope_fp16 rope_bf16 bf16
       done
       search rows16_lola_768 150 --kernel lola --dims dim=768,out=3072 --batch 16 --seq 1 \
         --dtype float16 ;;
+    stale_decode)
+      search stale_lola_11008_fp16 80 --kernel lola --dims dim=4096,out=11008 --batch 1 --seq 1 \
+        --dtype float16
+      search stale_lola_11008_e4m3 80 --kernel lola --dims dim=4096,out=11008 --batch 1 --seq 1 \
+        --dtype float16 --weights fp8-e4m3
+      search stale_lola_768 60 --kernel lola --dims dim=768,out=3072 --batch 1 --seq 1 \
+        --dtype float16
+      search stale_qkv_half 80 --kernel qkv \
+        --dims dim=4096,head_dim=128,interleaved=0,n_heads=32,n_kv_heads=32 --batch 1 --seq 1 \
+        --dtype float16
+      step export 60 python3 -m fusetune.cli export "$tables" --gpu h100 --db "$db"
+      step decode_stale 90 env FUSETUNE_TABLES="$tables" python3 -m benchmarks.bench_decode \
+        --cases lola_11008,lola_768,qkv_half
+      step decode_stale_e4m3 60 env FUSETUNE_TABLES="$tables" python3 -m benchmarks.bench_decode \
+        --cases lola_11008 --weights fp8-e4m3 ;;
+    fp8_prefill)
+      for k in ffn qkv; do
+        search "e5m2_${k}_4096" 120 --kernel "$k" --model llama-2-7b --batch 1 --seq 4096 \
+          --dtype float16 --weights fp8-e5m2
+      done
+      for w in e4m3 e5m2; do
+        search "${w}_lola_4096" 120 --kernel lola --dims dim=4096,out=16384 --batch 1 --seq 4096 \
+          --dtype float16 --weights "fp8-$w"
+      done ;;
     rows_n)
       n=${FILL_BATCH:-64}
       for kw in "ffn float16 fp8-e4m3" "ffn bfloat16 -" "ffn float16 -" "qkv float16 fp8-e4m3" \
@@ -132,7 +162,7 @@ for s in ${FILL_STEPS:-l2_state bf16_decode e5m2_decode rope_fp16 rope_bf16 bf16
     verify_decode) verify_decode ;;
     verify_rope) verify_rope ;;
     *) echo "unknown step $s (valid: l2_state bf16_decode e5m2_decode e5m2_more rope_fp16 rope_bf16
-       bf16_prefill rows16_ffn_qkv rows16_lola rows_n lookup_rows export verify verify_decode verify_rope)"
+       bf16_prefill rows16_ffn_qkv rows16_lola stale_decode fp8_prefill rows_n lookup_rows export verify verify_decode verify_rope)"
        exit 2 ;;
   esac
 done

@@ -4,7 +4,8 @@ Sources, in order: the tables given to `load_tables(path)` (or named by the envi
 FUSETUNE_TABLES, a path or several joined by the OS path separator), then the tables shipped
 inside the package. Lookup: the exact row count, else the next tuned row count above it
 (within the tuned range) whose config can serve the asked rows (the matmul kernels' one-row
-structure serves one row), else the kernel's default heuristic with a one-time warning.
+structure serves one row; their entries serve fewer than KernelSpec.row_reach times fewer
+rows), else the kernel's default heuristic with a one-time warning.
 
 This is the runtime path: it never imports optuna or sqlalchemy.
 """
@@ -271,16 +272,21 @@ def tuned_entries(gpu: str, kernel: str, weights: str = "") -> list[TunedEntry]:
 
 
 def _covering(rows: int, entries: list[tuple[int, Config]],
-              serves: Callable[[Config], bool]) -> Config | None:
+              serves: Callable[[Config], bool], reach: int | None = None) -> Config | None:
     """The config of the smallest tuned row count >= `rows` among `entries` (sorted by rows)
-    whose config `serves` these rows; None outside the tuned range or where none does.
+    whose config `serves` these rows, and, with `reach` (KernelSpec.row_reach), that is fewer
+    than reach times `rows`; None outside the tuned range or where none does.
 
     Upwards, because a config tuned for more rows serves fewer with its tiles partly masked,
     while one tuned for fewer rows reads the weights once per row-block (on the H100 at 64
-    rows a 16-row config took 1.6-2.6x the 4096-row one; benchmarks/lookup_rows.py)."""
+    rows a 16-row config took 1.6-2.6x the 4096-row one; benchmarks/lookup_rows.py). But not
+    too far up: the matmul kernels' tiles tuned for thousands of rows lost to the default
+    heuristic at 16 rows (see _matmul.MATMUL_ROW_REACH)."""
     if not entries[0][0] <= rows <= entries[-1][0]:
         return None
-    return next((config for r, config in entries if r >= rows and serves(config)), None)
+    return next((config for r, config in entries
+                 if rows <= r and (reach is None or r < reach * rows) and serves(config)),
+                None)
 
 
 def _resolve(kernel: str, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
@@ -300,7 +306,7 @@ def _resolve(kernel: str, dims: tuple[tuple[str, int], ...], dtype: str, rows: i
     for tables in _tables_in_order():
         entries = tables.groups.get(group)
         if entries:
-            found = _covering(rows, entries, serves)
+            found = _covering(rows, entries, serves, spec.row_reach)
             if found is not None:
                 return found
             tuned = tuned or entries
@@ -311,7 +317,10 @@ def _resolve(kernel: str, dims: tuple[tuple[str, int], ...], dtype: str, rows: i
         have = (f"tuned rows {tuned[0][0]}..{tuned[-1][0]}, asked {rows}" if tuned
                 else "no tuned entries")
         if tuned and tuned[0][0] <= rows <= tuned[-1][0]:
-            have += " (no tuned config there can serve that many rows)"
+            have += " (no tuned config there can serve that many rows"
+            if spec.row_reach is not None:
+                have += f"; an entry tuned for R rows serves more than R/{spec.row_reach}"
+            have += ")"
         warnings.warn(
             f"fusetune: no tuned config for {kernel} on {gpu.name} ({what}, {dtype}"
             f"{', weights ' + weights if weights else ''}; {have}): using the default heuristic "

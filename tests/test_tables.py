@@ -260,14 +260,50 @@ def ffn_config(rows: int) -> dict[str, int]:
                          [(1, FFN_GEMV),  # the one-row structure's one row
                           # past the GEMV's row: the next entry up
                           (2, FFN_TILES), (16, FFN_TILES), (64, FFN_TILES),
-                          (4096, FFN_TILES)])
+                          (256, FFN_TILES)])
 def test_lookup_skips_a_structure_that_cannot_serve_the_rows(tmp_path: Path, rows: int,
                                                              expected: dict[str, int]) -> None:
     fusetune.load_tables(write(tmp_path / "t.yaml", doc({
-        "h100-sxm": [ffn_entry(1, 1, FFN_GEMV), ffn_entry(1, 4096, FFN_TILES)]}, kernel="ffn")))
+        "h100-sxm": [ffn_entry(1, 1, FFN_GEMV), ffn_entry(1, 256, FFN_TILES)]}, kernel="ffn")))
     with warnings.catch_warnings():
         warnings.simplefilter("error", fusetune.FusetuneWarning)  # a tuned config serves
         assert ffn_config(rows) == expected
+
+
+@pytest.mark.parametrize(("rows", "tuned"), [(17, True), (64, True), (4096, True),
+                                             (16, False), (2, False)])
+def test_matmul_entry_serves_fewer_than_row_reach_times_fewer_rows(
+        tmp_path: Path, rows: int, tuned: bool) -> None:
+    # A 4096-row tile serves 17 rows and more (4096 < 256 · 17); at 16 rows and fewer, with only
+    # the one-row entry below it, the default heuristic runs, with a warning that says why.
+    assert get_spec("ffn").row_reach == 256
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({
+        "h100-sxm": [ffn_entry(1, 1, FFN_GEMV), ffn_entry(1, 4096, FFN_TILES)]}, kernel="ffn")))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = fusetune.lookup("ffn", FFN_DIMS, "float16", rows=rows, gpu="h100")
+    point = Point.make("ffn", FFN_DIMS, 1, rows, "float16")
+    ffn = get_spec("ffn")
+    default = ffn.canonical(ffn.default_config(point, gpus.resolve("h100")), point)
+    if tuned:
+        assert {k: got[k] for k in FFN_TILES} == FFN_TILES
+        assert not fusetune_warnings(record)
+    else:
+        assert got == default
+        assert {k: got[k] for k in FFN_TILES} != FFN_TILES
+        (msg,) = fusetune_warnings(record)
+        assert (f"tuned rows 1..4096, asked {rows} (no tuned config there can serve that many "
+                "rows; an entry tuned for R rows serves more than R/256)") in msg
+
+
+def test_elementwise_kernels_round_up_any_distance(tmp_path: Path) -> None:
+    # rmsnorm (and rope) have no row reach: a 4096-row entry serves 2 rows.
+    assert get_spec("rmsnorm").row_reach is None and get_spec("rope").row_reach is None
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({
+        "h100-sxm": [entry(1, 1, CFG_A), entry(1, 4096, CFG_C)]})))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusetune.FusetuneWarning)
+        assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=2, gpu="h100") == CFG_C
 
 
 def test_default_where_no_tuned_structure_serves_the_rows(tmp_path: Path) -> None:
@@ -283,7 +319,8 @@ def test_default_where_no_tuned_structure_serves_the_rows(tmp_path: Path) -> Non
     ffn = get_spec("ffn")
     assert got == ffn.canonical(ffn.default_config(point, gpus.resolve("h100")), point)
     (msg,) = fusetune_warnings(record)
-    assert "tuned rows 1..64, asked 16 (no tuned config there can serve that many rows)" in msg
+    assert ("tuned rows 1..64, asked 16 (no tuned config there can serve that many rows; an "
+            "entry tuned for R rows serves more than R/256)") in msg
 
 
 def test_other_dtype_uses_default(tmp_path: Path) -> None:

@@ -38,6 +38,13 @@ MATMUL_FLAGS = {"ACT_FP8": 0, "UNROLL_K": 0, "SPREAD": 0, "THREAD_SUM": 0, "TMA"
 TMA_MAX_BOX = 256
 MATMUL_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
 MATMUL_TOLERANCE = {"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
+# How far down in rows a matmul table entry serves (KernelSpec.row_reach): one tuned for R rows
+# serves r rows where R < 256·r. On the H100 at 16 rows the 4096-row tiles took 1.06-1.25x the
+# default heuristic's 16-row tile (ffn and qkv with e4m3 weights, ffn bf16, lola 4096 -> 16384),
+# while at 64 rows they were as fast or up to 2.4x faster (BENCHMARKS.md, "Lookup between tuned
+# row counts"): so a 4096-row entry serves 17 rows and more, and below that, where no entry
+# nearer in rows serves, the default runs.
+MATMUL_ROW_REACH = 256
 # The default heuristic's shortest K for TMA tiles (the shortest product measured faster with
 # them; see default_tiles).
 TMA_MIN_K = 768

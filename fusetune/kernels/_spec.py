@@ -140,6 +140,8 @@ class KernelSpec:
     - `weight_formats`: the Point.weights values besides "" that `make_inputs` can build.
     - `config_tolerance(point, config)`: the tolerance of one config where it depends on more
       than the dtype (FP8 activations); None to use `tolerance`.
+    - `row_reach`: a table entry tuned for R rows serves a lookup of r rows only where
+      R < row_reach · r (None: any r <= R); see `tables._covering`.
     """
 
     name: str
@@ -164,6 +166,7 @@ class KernelSpec:
     flags: Mapping[str, int] = field(default_factory=dict)
     weight_formats: tuple[str, ...] = ()
     config_tolerance: Callable[[Point, Config], float | None] | None = None
+    row_reach: int | None = None
 
     def point_weights(self, fmt: str, dtype: str) -> str:
         """Point.weights for weights in format `fmt` (one of WEIGHT_CHOICES) with `dtype`

@@ -30,6 +30,7 @@ from fusetune.kernels._matmul import (
     MATMUL_CONFIG_KEYS,
     MATMUL_FLAGS,
     MATMUL_POW2_KEYS,
+    MATMUL_ROW_REACH,
     MATMUL_TOLERANCE,
     block_rows,
     collapse_tiles,
@@ -469,4 +470,5 @@ SPEC = KernelSpec(
     flags=MATMUL_FLAGS,
     weight_formats=WEIGHT_FORMATS,
     config_tolerance=fp8.config_tolerance,
+    row_reach=MATMUL_ROW_REACH,
 )

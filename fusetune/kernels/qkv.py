@@ -32,6 +32,7 @@ from fusetune.kernels._matmul import (
     MATMUL_CONFIG_KEYS,
     MATMUL_FLAGS,
     MATMUL_POW2_KEYS,
+    MATMUL_ROW_REACH,
     MATMUL_TOLERANCE,
     TWO_PRODUCT_SOURCES,
     block_rows,
@@ -515,4 +516,5 @@ SPEC = KernelSpec(
     flags=MATMUL_FLAGS,
     weight_formats=WEIGHT_FORMATS,
     config_tolerance=fp8.config_tolerance,
+    row_reach=MATMUL_ROW_REACH,
 )
