@@ -32,8 +32,18 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def _config_str(config: dict[str, int] | None) -> str:
-    return "-" if not config else " ".join(f"{k}={v}" for k, v in config.items())
+def _config_str(config: dict[str, int] | None, kernel: str | None = None) -> str:
+    """KEY=VALUE pairs of `config`; with `kernel`, its flags (KernelSpec.flags: THREAD_SUM,
+    TMA, ...) at the value that leaving them out means are left out: the same kernel, shorter."""
+    if not config:
+        return "-"
+    flags: dict[str, int] = {}
+    if kernel is not None:
+        from fusetune.kernels import REGISTRY
+
+        if kernel in REGISTRY:  # a database may hold kernels this version does not have
+            flags = dict(REGISTRY[kernel].flags)
+    return " ".join(f"{k}={v}" for k, v in config.items() if not (k in flags and flags[k] == v))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -58,7 +68,7 @@ def gpus() -> None:
     t = Table(title="GPU catalogue")
     for col in ("name", "aliases", "device name", "cc", "SMs", "smem/block KB", "regs/block",
                 "GB/s", "fp16 TF/s", "bf16 TF/s", "FP8 MMA", "fp8 TF/s", "visible"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")  # long values wrap, never cut
     for r in g.format_catalogue(visible):
         t.add_row(str(r["name"]), str(r["aliases"]), str(r["display"]), str(r["cc"]),
                   str(r["sms"]), str(r["smem_kb"]), str(r["regs"]), str(r["bandwidth_gbs"]),
@@ -185,7 +195,7 @@ def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trial
                   "'distinct' counts configs after merging those that compile to the same kernel.")
     for col in ("batch", "seq", "dtype", "rows", "distinct", "feasible", "pruned",
                 "pruned because", "will try"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")  # long values wrap, never cut
     total_pruned = 0
     for p in points:
         plan = make_plan(space, spec, p, gpu)
@@ -402,14 +412,14 @@ def _print_summary(results: Sequence[Any], target: Any) -> None:
                                                 if target.backend == "interpreter" else ""))
     for col in ("point", "winner", "µs", "default µs", "speedup", "floor µs", "GB/s", "% of BW",
                 "evaluated", "failed"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")  # long values wrap, never cut
     for r in results:
         gbs = r.cost.bytes / (r.time_us * 1e3) if r.time_us else None
         pct = 100 * gbs / gpu.bandwidth_gbs if gbs and gpu.bandwidth_gbs else None
         peak = gpu.peak_tflops(r.point.dtype, r.point.weights)
         floor = r.cost.floor_us(gpu.bandwidth_gbs, peak)  # datasheet rates: a lower bound
         failed = sum(n for s, n in r.statuses.items() if s not in ("ok", "infeasible"))
-        t.add_row(r.point.label, _config_str(r.winner), _fmt(r.time_us, ".2f"),
+        t.add_row(r.point.label, _config_str(r.winner, r.point.kernel), _fmt(r.time_us, ".2f"),
                   _fmt(r.default_us, ".2f"), _fmt(r.speedup, ".2f") + ("×" if r.speedup else ""),
                   _fmt(floor, ".2f"), _fmt(gbs, ".0f"), _fmt(pct, ".0f"), str(r.n_evaluated),
                   str(failed))
@@ -669,27 +679,38 @@ def show(db: str, gpu_name: str | None, kernel: str | None, point_id: int | None
         raise click.ClickException(str(e)) from None
     store = _store(db)
     winners = {p.id: w for p, w in store.winners(gpu=gpu, kernel=kernel)}
-    t = Table(title=f"Points in {_shown(db)}")
-    for col in ("id", "gpu", "kernel", "dims", "b", "s", "dtype", "weights", "backend",
-                "triton", "results", "winner", "µs", "default µs", "speedup"):
-        t.add_column(col)
-    n = 0
+    cols = ("id", "gpu", "kernel", "dims", "b", "s", "dtype", "weights", "backend", "triton",
+            "results", "winner", "µs", "default µs", "speedup")
+    rows: list[tuple[str, ...]] = []
     for p in store.points():
         if (gpu and p.gpu != gpu) or (kernel and p.kernel != kernel):
             continue
-        n += 1
         counts = store.status_counts(p.id)
         w = winners.get(p.id)
         speed = w.default_us / w.time_us if w and w.default_us else None
-        t.add_row(str(p.id), p.gpu, p.kernel, p.dims, str(p.batch), str(p.seq), p.dtype,
-                  p.weights or "-", p.backend,
-                  p.triton_version, " ".join(f"{k}:{v}" for k, v in sorted(counts.items())),
-                  _config_str(w.config if w else None), _fmt(w.time_us if w else None, ".2f"),
-                  _fmt(w.default_us if w else None, ".2f"), _fmt(speed, ".2f"))
-    if n == 0:
+        rows.append((str(p.id), p.gpu, p.kernel, p.dims, str(p.batch), str(p.seq), p.dtype,
+                     p.weights or "-", p.backend, p.triton_version,
+                     " ".join(f"{k}:{v}" for k, v in sorted(counts.items())),
+                     _config_str(w.config if w else None, p.kernel),
+                     _fmt(w.time_us if w else None, ".2f"),
+                     _fmt(w.default_us if w else None, ".2f"), _fmt(speed, ".2f")))
+    if not rows:
         console.print(f"{_shown(db)} holds no points"
                       + (" matching the filters" if gpu or kernel else ""))
         return
+    # gpu, backend and triton shared by every point go to the title: room for the winners.
+    same = [i for i, c in enumerate(cols)
+            if c in ("gpu", "backend", "triton") and len({r[i] for r in rows}) == 1]
+    shared = ", ".join(f"{cols[i]} {rows[0][i]}" for i in same)
+    t = Table(title=f"Points in {_shown(db)}" + (f" ({shared})" if shared else ""))
+    keep = [i for i in range(len(cols)) if i not in same]
+    # Long values wrap, never cut; the winner column fits its longest KEY=VALUE.
+    widest = max((len(kv) for r in rows for kv in r[cols.index("winner")].split()), default=1)
+    for i in keep:
+        t.add_column(cols[i], overflow="fold",
+                     min_width=widest if cols[i] == "winner" else None)
+    for r in rows:
+        t.add_row(*(r[i] for i in keep))
     console.print(t)
 
 
@@ -708,9 +729,9 @@ def _show_point(store: Any, point_id: int, top: int) -> None:
     t = Table(title=f"Fastest {top} correct configs")
     for col in ("config", "p20 µs", "p50 µs", "p80 µs", "rel err", "compile s", "regs",
                 "spills", "smem KB", "trial"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")  # long values wrap, never cut
     for r in store.top_results(p.id, top):
-        t.add_row(_config_str(r.config), _fmt(r.p20_us, ".2f"), _fmt(r.time_us, ".2f"),
+        t.add_row(_config_str(r.config, p.kernel), _fmt(r.p20_us, ".2f"), _fmt(r.time_us, ".2f"),
                   _fmt(r.p80_us, ".2f"), _fmt(r.rel_err, ".1e"), _fmt(r.compile_s, ".2f"),
                   _fmt(r.n_regs, "d"), _fmt(r.n_spills, "d"),
                   _fmt(None if r.smem_bytes is None else r.smem_bytes / 1024, ".1f"),
@@ -720,7 +741,7 @@ def _show_point(store: Any, point_id: int, top: int) -> None:
     if failures:
         f = Table(title="Failed or pruned configs, by reason")
         for col in ("status", "reason", "configs"):
-            f.add_column(col)
+            f.add_column(col, overflow="fold")
         for status, reason, n in failures:
             f.add_row(status, reason, str(n))
         console.print(f)

@@ -238,9 +238,12 @@ def test_search_show_export_lookup(db_url: str, tmp_path: Path, fresh_tables: No
 
     shown = invoke("show", "--db", db_url)
     assert shown.exit_code == 0, shown.output
-    listed = set(re.findall(r'│ interpreter │ rmsnorm │ \{"dim":64\}\s*│ (\d+)\s*│ (\d+)\s*│ '
-                            r'float16', shown.output))
+    listed = set(re.findall(r'│ rmsnorm │ \{"dim":64\}\s*│ (\d+)\s*│ (\d+)\s*│ float16',
+                            shown.output))
     assert {(int(b), int(s)) for b, s in listed} == points, shown.output
+    # The GPU, backend and Triton version that every point shares are named once, in the title.
+    assert "(gpu interpreter, backend interpreter, triton " in shown.output, shown.output
+    assert "│ interpreter │" not in shown.output, shown.output
 
     out = tmp_path / "tables.yaml"
     exported = invoke("export", str(out), "--db", db_url)
@@ -508,3 +511,16 @@ def test_unreachable_database_is_one_line_without_the_password(command: list[str
     assert "cannot open database" in res.output or "psycopg" in res.output, res.output
     assert "s3cret-pw" not in res.output
     assert "Traceback" not in res.output
+
+
+def test_config_text_leaves_out_flags_at_their_default() -> None:
+    # THREAD_SUM=0 and UNROLL_K=0 mean what leaving them out means (KernelSpec.flags): left out;
+    # TMA=1 is not; a kernel without flags, or one this version does not know, shows all.
+    config = {"BLOCK_M": 1, "BLOCK_N": 2, "THREAD_SUM": 0, "UNROLL_K": 0, "TMA": 1, "num_warps": 8}
+    assert cli._config_str(config, "ffn") == "BLOCK_M=1 BLOCK_N=2 TMA=1 num_warps=8"
+    assert cli._config_str(config) == ("BLOCK_M=1 BLOCK_N=2 THREAD_SUM=0 UNROLL_K=0 TMA=1 "
+                                       "num_warps=8")
+    assert cli._config_str(config, "retired_kernel") == cli._config_str(config)
+    rms = {"BLOCK_D": 4096, "ROWS": 1, "num_warps": 8, "num_stages": 1}
+    assert cli._config_str(rms, "rmsnorm") == "BLOCK_D=4096 ROWS=1 num_warps=8 num_stages=1"
+    assert cli._config_str(None, "ffn") == "-"
