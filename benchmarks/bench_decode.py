@@ -32,17 +32,18 @@ from fusetune.kernels._spec import WEIGHT_FORMATS, Config, KernelSpec, Point
 from fusetune.tables import lookup
 from fusetune.tuner.bench import Evaluator
 
-CASES = (("ffn", "llama-2-7b", None), ("qkv", "llama-2-7b", None),
-         ("lola", None, {"dim": 4096, "out": 16384}), ("lola", None, {"dim": 4096, "out": 11008}))
-# More cases, timed when --cases names them (the default runs CASES): --cases takes names of
-# both.
-EXTRA_CASES = {
+# (kernel, model preset, dims) by name; DEFAULT_CASES are timed unless --cases names others.
+NAMED_CASES: dict[str, tuple[str, str | None, dict[str, int] | None]] = {
+    "ffn": ("ffn", "llama-2-7b", None),
+    "qkv": ("qkv", "llama-2-7b", None),
+    "lola": ("lola", None, {"dim": 4096, "out": 16384}),
+    "lola_11008": ("lola", None, {"dim": 4096, "out": 11008}),
     "qkv_half": ("qkv", None, {"dim": 4096, "head_dim": 128, "interleaved": 0, "n_heads": 32,
                                "n_kv_heads": 32}),
     "lola_768": ("lola", None, {"dim": 768, "out": 3072}),
 }
-CASE_NAMES = {"ffn": CASES[0], "qkv": CASES[1], "lola": CASES[2], "lola_11008": CASES[3],
-              **EXTRA_CASES}
+DEFAULT_CASES = ("ffn", "qkv", "lola", "lola_11008")
+CASES = tuple(NAMED_CASES[n] for n in DEFAULT_CASES)
 # Shapes of the read-only kernel tried for each size: (BLOCK, STEPS, warps, unrolled, evict).
 READ_SHAPES = [(b, 1, w, False, True) for b in (1024, 2048, 4096) for w in (4, 8)] + \
     [(b, 1, w, False, False) for b in (1024, 2048, 4096) for w in (4, 8)]
@@ -65,12 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="", choices=["", *WEIGHT_FORMATS],
                     help="weight format (default: the activations' dtype)")
     ap.add_argument("--cases", help="comma-separated names of the cases to time (default: "
-                    f"{','.join(list(CASE_NAMES)[:4])}; valid: {','.join(CASE_NAMES)})")
+                    f"{','.join(DEFAULT_CASES)}; valid: {','.join(NAMED_CASES)})")
     args = ap.parse_args(argv)
-    names = args.cases.split(",") if args.cases else list(CASE_NAMES)[:4]
-    bad = [n for n in names if n not in CASE_NAMES]
+    names = args.cases.split(",") if args.cases else DEFAULT_CASES
+    bad = [n for n in names if n not in NAMED_CASES]
     if bad:
-        ap.error(f"unknown case(s) {','.join(bad)}; valid: {','.join(CASE_NAMES)}")
+        ap.error(f"unknown case(s) {','.join(bad)}; valid: {','.join(NAMED_CASES)}")
     gpu = cuda_gpu()
     if gpu is None:
         return 2
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| kernel | dims | MB read | kernel µs (graph) | plain launches µs | read-only µs | "
           "kernel / read-only | copy of the bytes µs | kernel TB/s | config |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for kernel, model, dims in (CASE_NAMES[n] for n in names):
+    for kernel, model, dims in (NAMED_CASES[n] for n in names):
         spec, dims, point, config, ev = shipped_case(kernel, model, dims, args.dtype,
                                                      args.weights)
         check = ev.check(config)

@@ -705,10 +705,11 @@ def show(db: str, gpu_name: str | None, kernel: str | None, point_id: int | None
     t = Table(title=f"Points in {_shown(db)}" + (f" ({shared})" if shared else ""))
     keep = [i for i in range(len(cols)) if i not in same]
     # Long values wrap, never cut; the winner column fits its longest KEY=VALUE.
-    widest = max((len(kv) for r in rows for kv in r[cols.index("winner")].split()), default=1)
+    winner = cols.index("winner")
+    widest = max((len(kv) for r in rows for kv in r[winner].split()), default=1)
     for i in keep:
         t.add_column(cols[i], overflow="fold",
-                     min_width=widest if cols[i] == "winner" else None)
+                     min_width=widest if i == winner else None)
     for r in rows:
         t.add_row(*(r[i] for i in keep))
     console.print(t)
