@@ -13,7 +13,7 @@ With `--entry-rows R` the tuned entry of exactly R rows is timed beside them (e.
 the lookup rounded 65-4095 rows up to where no entry lay between).
 
     python -m benchmarks.lookup_rows [--tables T.yaml] [--rows 2,4,8,16,64] [--rounds 3]
-                                     [--entry-rows 4096]
+                                     [--entry-rows 4096] [--cases ffn_e5m2,qkv_e5m2]
 """
 
 from __future__ import annotations
@@ -35,19 +35,28 @@ from fusetune.tuner.bench import Evaluator
 
 LLAMA_FFN = {"dim": 4096, "hidden": 11008}
 LLAMA_QKV = {"dim": 4096, "head_dim": 128, "interleaved": 1, "n_heads": 32, "n_kv_heads": 32}
-# (kernel, dims, activations, weights): the groups of the H100 tables tuned at several row
-# counts (first those that held a one-row entry and prefill entries only).
-CASES: tuple[tuple[str, dict[str, int], str, str], ...] = (
-    ("ffn", LLAMA_FFN, "float16", "fp8-e4m3"),
-    ("ffn", LLAMA_FFN, "bfloat16", ""),
-    ("ffn", LLAMA_FFN, "float16", ""),
-    ("qkv", LLAMA_QKV, "float16", "fp8-e4m3"),
-    ("qkv", LLAMA_QKV, "bfloat16", ""),
-    ("qkv", LLAMA_QKV, "float16", ""),
-    ("lola", {"dim": 4096, "out": 16384}, "float16", ""),
-    ("lola", {"dim": 4096, "out": 16384}, "bfloat16", ""),
-    ("lola", {"dim": 768, "out": 3072}, "float16", ""),
-)
+LOLA_16384 = {"dim": 4096, "out": 16384}
+# (kernel, dims, activations, weights) by name: the groups of the H100 tables tuned at several
+# row counts (first those that held a one-row entry and prefill entries only); DEFAULT_CASES are
+# timed unless --cases names others. The *_e5m2 / lola_*_fp8 groups had a one-row and a
+# 4096-row entry only when the row reach came in.
+NAMED_CASES: dict[str, tuple[str, dict[str, int], str, str]] = {
+    "ffn_e4m3": ("ffn", LLAMA_FFN, "float16", "fp8-e4m3"),
+    "ffn_bf16": ("ffn", LLAMA_FFN, "bfloat16", ""),
+    "ffn_fp16": ("ffn", LLAMA_FFN, "float16", ""),
+    "qkv_e4m3": ("qkv", LLAMA_QKV, "float16", "fp8-e4m3"),
+    "qkv_bf16": ("qkv", LLAMA_QKV, "bfloat16", ""),
+    "qkv_fp16": ("qkv", LLAMA_QKV, "float16", ""),
+    "lola_fp16": ("lola", LOLA_16384, "float16", ""),
+    "lola_bf16": ("lola", LOLA_16384, "bfloat16", ""),
+    "lola_768": ("lola", {"dim": 768, "out": 3072}, "float16", ""),
+    "ffn_e5m2": ("ffn", LLAMA_FFN, "float16", "fp8-e5m2"),
+    "qkv_e5m2": ("qkv", LLAMA_QKV, "float16", "fp8-e5m2"),
+    "lola_e4m3": ("lola", LOLA_16384, "float16", "fp8-e4m3"),
+    "lola_e5m2": ("lola", LOLA_16384, "float16", "fp8-e5m2"),
+}
+DEFAULT_CASES = ("ffn_e4m3", "ffn_bf16", "ffn_fp16", "qkv_e4m3", "qkv_bf16", "qkv_fp16",
+                 "lola_fp16", "lola_bf16", "lola_768")
 
 
 def group_entries(kernel: str, dims: dict[str, int], dtype: str, weights: str
@@ -82,7 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="2,4,8,16,64")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--entry-rows", type=int, help="also time the tuned entry of this many rows")
+    ap.add_argument("--cases", help="comma-separated names of the groups to time (default: "
+                    f"{','.join(DEFAULT_CASES)}; valid: {','.join(NAMED_CASES)})")
     args = ap.parse_args(argv)
+    names = args.cases.split(",") if args.cases else DEFAULT_CASES
+    bad = [n for n in names if n not in NAMED_CASES]
+    if bad:
+        ap.error(f"unknown case(s) {','.join(bad)}; valid: {','.join(NAMED_CASES)}")
     gpu = cuda_gpu()
     if gpu is None:
         return 2
@@ -97,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
           "PASSES\n")
     print("| kernel | dims | x | weights | rows | " + " | ".join(labels) + " | configs |")
     print("|---|---|---|---|---:|" + "---:|" * len(labels) + "---|")
-    for kernel, dims, dtype, weights in CASES:
+    for kernel, dims, dtype, weights in (NAMED_CASES[n] for n in names):
         spec = get_spec(kernel)
         entries = group_entries(kernel, dims, dtype, weights)
         for rows in (int(r) for r in args.rows.split(",")):

@@ -25,9 +25,11 @@
 #                bench_decode on those cases with the export's table
 #   fp8_prefill  fusetune search at 4096 rows (seq 4096) for the FP8 groups tuned at one row
 #                only: ffn and qkv with e5m2 weights, lola 4096 -> 16384 with e4m3 and e5m2
-#   lookup_rows  benchmarks.lookup_rows: those groups at 2-64 rows, the log-nearest entry of any
-#                structure against the lookup now and the default heuristic (with the export's
-#                table where there is one)
+#   fp8_rows_n   fusetune search at FILL_BATCH rows (default 64) for the groups of fp8_prefill
+#   lookup_rows  benchmarks.lookup_rows: those groups at FILL_ROWS rows (default 2,8,16,64), the
+#                log-nearest entry of any structure against the lookup now and the default
+#                heuristic (with the export's table where there is one); FILL_CASES: the
+#                groups by lookup_rows' names (default: its own)
 #   export       the database's winners as a table (FILL_DB's name with _tables.yaml)
 #   verify       on the shipped tables updated with that table: bench_decode (bfloat16, e5m2),
 #                bench_rope (verify_decode, verify_rope: one of the two)
@@ -140,6 +142,16 @@ for s in ${FILL_STEPS:-l2_state bf16_decode e5m2_decode rope_fp16 rope_bf16 bf16
         search "${w}_lola_4096" 120 --kernel lola --dims dim=4096,out=16384 --batch 1 --seq 4096 \
           --dtype float16 --weights "fp8-$w"
       done ;;
+    fp8_rows_n)
+      n=${FILL_BATCH:-64}
+      for k in ffn qkv; do
+        search "rows${n}_${k}_e5m2" 120 --kernel "$k" --model llama-2-7b --batch "$n" --seq 1 \
+          --dtype float16 --weights fp8-e5m2
+      done
+      for w in e4m3 e5m2; do
+        search "rows${n}_lola_$w" 120 --kernel lola --dims dim=4096,out=16384 --batch "$n" \
+          --seq 1 --dtype float16 --weights "fp8-$w"
+      done ;;
     rows_n)
       n=${FILL_BATCH:-64}
       for kw in "ffn float16 fp8-e4m3" "ffn bfloat16 -" "ffn float16 -" "qkv float16 fp8-e4m3" \
@@ -154,7 +166,8 @@ for s in ${FILL_STEPS:-l2_state bf16_decode e5m2_decode rope_fp16 rope_bf16 bf16
       done
       search "rows${n}_lola_768" 120 --kernel lola --dims dim=768,out=3072 --batch "$n" --seq 1 \
         --dtype float16 ;;
-    lookup_rows) step lookup_rows 300 python3 -m benchmarks.lookup_rows --rows "${FILL_ROWS:-2,8,16,64}" \
+    lookup_rows) step "lookup_rows${FILL_TAG:+_$FILL_TAG}" 300 python3 -m benchmarks.lookup_rows \
+                   --rows "${FILL_ROWS:-2,8,16,64}" ${FILL_CASES:+--cases "$FILL_CASES"} \
                    $([ -f "$tables" ] && echo "--tables $tables") ;;
     export) step export 60 python3 -m fusetune.cli export "$tables" --gpu h100 --db "$db"
             cp "$tables" "$work/" ;;
@@ -162,7 +175,7 @@ for s in ${FILL_STEPS:-l2_state bf16_decode e5m2_decode rope_fp16 rope_bf16 bf16
     verify_decode) verify_decode ;;
     verify_rope) verify_rope ;;
     *) echo "unknown step $s (valid: l2_state bf16_decode e5m2_decode e5m2_more rope_fp16 rope_bf16
-       bf16_prefill rows16_ffn_qkv rows16_lola stale_decode fp8_prefill rows_n lookup_rows export verify verify_decode verify_rope)"
+       bf16_prefill rows16_ffn_qkv rows16_lola stale_decode fp8_prefill fp8_rows_n rows_n lookup_rows export verify verify_decode verify_rope)"
        exit 2 ;;
   esac
 done
