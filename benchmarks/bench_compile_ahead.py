@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.help_text import doc_summary
+
 INTERRUPT_WAIT_S = 30.0  # after Ctrl-C at the time cap, before the run is killed
 
 
@@ -53,7 +55,7 @@ class Run:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--mode", choices=("grid", "search"), default="grid")
     ap.add_argument("--kernel", default="ffn")
     ap.add_argument("--model", default=None, help="model preset (default: llama-2-7b unless "

@@ -25,6 +25,7 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.bench_read_bw import read_us
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import as_graph, cuda_gpu, median_us
 from fusetune import models
 from fusetune.kernels import get_spec
@@ -61,7 +62,7 @@ def shipped_case(kernel: str, model: str | None, dims: dict[str, int] | None, dt
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--weights", default="", choices=["", *WEIGHT_FORMATS],
                     help="weight format (default: the activations' dtype)")

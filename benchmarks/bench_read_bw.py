@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import cuda_gpu
 
 
@@ -62,7 +63,7 @@ def read_us(x: torch.Tensor, block: int, steps: int, warps: int, unroll: bool = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--mb", default="180,100,134", help="buffer sizes in MB (1e6 bytes)")
     args = ap.parse_args(argv)
     if cuda_gpu() is None:

@@ -29,6 +29,7 @@ import triton
 
 from benchmarks.bench_decode import CASES, shipped_case
 from benchmarks.bench_read_bw import _read_kernel
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import cuda_gpu
 from fusetune.kernels._spec import WEIGHT_FORMATS
 from fusetune.tuner.launches import launched_kernels
@@ -96,7 +97,7 @@ def profile_case(kernel: str, model: str | None, dims: dict[str, int] | None, dt
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--weights", default="", choices=["", *WEIGHT_FORMATS],
                     help="weight format (default: the activations' dtype)")

@@ -25,6 +25,7 @@ import triton
 
 from benchmarks.bench_decode import READ_SHAPES
 from benchmarks.bench_read_bw import read_us
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import as_graph, cuda_gpu, interleaved_medians
 from fusetune import models
 from fusetune.kernels import ffn as ffn_mod
@@ -53,7 +54,7 @@ class Capped:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     if cuda_gpu() is None:

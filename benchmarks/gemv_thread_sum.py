@@ -29,6 +29,7 @@ import triton
 import fusetune
 from benchmarks.bench_decode import READ_SHAPES
 from benchmarks.bench_read_bw import read_us
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import as_graph, cuda_gpu, interleaved_medians
 from fusetune import models
 from fusetune.kernels import get_spec
@@ -47,7 +48,7 @@ def short(config: Config) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--tables", help="a table whose M = 1 configs are timed too")
     ap.add_argument("--weights", default="fp16,fp8-e4m3",
                     help="weight formats: fp16 (the activations' type), fp8-e4m3, fp8-e5m2")

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import fusetune
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import cuda_gpu, host_us_per_call
 
 
@@ -83,7 +84,7 @@ def stub_kernels() -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--kernels", default="lola,ffn,qkv,rmsnorm,rope")
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--stub", action="store_true",

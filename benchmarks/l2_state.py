@@ -29,6 +29,7 @@ import triton
 
 from benchmarks.bench_decode import CASES, READ_SHAPES, shipped_case
 from benchmarks.bench_read_bw import _read_kernel, read_us
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import as_graph, cuda_gpu, interleaved_medians, median_us
 from fusetune.kernels._spec import WEIGHT_FORMATS
 
@@ -55,7 +56,7 @@ def flushed_median_us(fn: Fn, prelude: Fn, reps: int = 100, warmup: int = 10) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--weights", default="", choices=["", *WEIGHT_FORMATS],
                     help="weight format of the kernels (default: float16 weights)")

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 import fusetune
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import cuda_gpu, median_us
 from fusetune.kernels._matmul import grouped_tile
 
@@ -99,7 +100,7 @@ def _folded(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om, eps,
 
 def shape_parser(doc: str) -> argparse.ArgumentParser:
     """The lola diagnostics' command line: rows, dim -> out (GPT-2's MLP at 4096 rows)."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(doc))
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--out", type=int, default=3072)

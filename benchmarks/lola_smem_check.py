@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import cuda_gpu
 from fusetune.kernels._spec import Point
 from fusetune.kernels.lola import SPEC
@@ -60,7 +61,7 @@ def _compiled_smem(job: tuple[str, tuple[int, ...], int, int, int]) -> tuple[int
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--out", type=int, default=16384)
     ap.add_argument("--rows", type=int, default=256)

@@ -27,6 +27,7 @@ import torch
 import triton
 
 import fusetune
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import as_graph, cuda_gpu, interleaved_medians
 from fusetune.kernels import get_spec
 from fusetune.kernels._spec import Config, Point
@@ -86,7 +87,7 @@ def short(config: Config) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--tables", help="a table loaded before the shipped ones")
     ap.add_argument("--rows", default="2,4,8,16,64")
     ap.add_argument("--rounds", type=int, default=3)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.help_text import doc_summary
 from fusetune.kernels._spec import Config, Cost, KernelSpec, Point, Resources, Tensors
 
 SPACE = """
@@ -63,7 +64,7 @@ SPEC = KernelSpec(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--db", default="sqlite:///planted.db")
     ap.add_argument("--trials", type=int, default=40)
     ap.add_argument("--trial-timeout", type=float, default=120.0)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import cuda_gpu
 
 # name -> the PTX load instruction (None: tl.load; "evict_first": tl.load with that eviction
@@ -102,7 +103,7 @@ def runner(x: torch.Tensor, op: str | None, block: int, steps: int, warps: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--mb", default="180,100,90,50", help="buffer sizes in MB (1e6 bytes)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the best configs")
     args = ap.parse_args(argv)

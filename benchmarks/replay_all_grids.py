@@ -21,6 +21,7 @@ from pathlib import Path
 
 import optuna
 
+from benchmarks.help_text import doc_summary
 from fusetune.db.models import PointRow
 from fusetune.db.store import Store
 from fusetune.kernels import get_spec
@@ -52,7 +53,7 @@ def complete_grid(store: Store, storage: optuna.storages.BaseStorage, row: Point
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("dbs", nargs="+", help="SQLite grid databases (files)")
     ap.add_argument("--strategies", default="fusetune,tpe",
                     help=f"comma-separated; valid: {', '.join(STRATEGIES)}")

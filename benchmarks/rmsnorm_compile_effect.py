@@ -23,12 +23,13 @@ import torch
 import triton
 
 from benchmarks import bench_rmsnorm
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import Fn, as_graph, cuda_gpu, interleaved_medians
 from fusetune.kernels.rmsnorm import _launch_2d
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--compile", action="store_true", help="run a torch.compile'd RMSNorm once")
     ap.add_argument("--fresh", action="store_true",
                     help="after that, compile the tuned kernel again in a new Triton cache")

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from benchmarks import bench_rmsnorm
+from benchmarks.help_text import doc_summary
 from benchmarks.timing import cuda_gpu, time_cases
 from fusetune.gpus import GpuSpec
 from fusetune.kernels.rmsnorm import _launch_2d
@@ -132,7 +133,7 @@ def placement_sweep(rows: int, dim: int, gpu: GpuSpec, rounds: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--rows", default="4096", help="row counts, comma-separated")
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)

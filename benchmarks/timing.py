@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import torch
 from triton.testing import do_bench
 
+from benchmarks.help_text import doc_summary
 from fusetune.gpus import GpuSpec
 from fusetune.tuner.bench import captured_launch
 
@@ -31,7 +32,7 @@ PLAIN = frozenset({"copy"})
 
 def parser(doc: str, impls: Sequence[str]) -> argparse.ArgumentParser:
     """The options every benchmark has; each script adds its shapes."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc_summary(doc))
     ap.add_argument("--tables", help="lookup table (fusetune export); default: shipped tables")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     ap.add_argument("--impls", default=",".join(impls), help="implementations to time")
