@@ -17,7 +17,8 @@ medians with the L2 flushed), beside bench_rmsnorm's own implementations:
 - `one_d_w4`: `one_d` with 4 warps; `one_d_rows2`: two rows a program, one after the other,
   each as `one_d` does it, 4 warps (the tuned float16 config's shape);
 - `tuned_direct`: fusetune's kernel with the tuned config, launched on a preallocated output
-  (no allocation, no lookup in the call).
+  (no allocation, no lookup in the call); `tuned_alloc`: the same launch on an output
+  allocated in the call (`torch.empty_like(x)`, as `fusetune.rmsnorm` does).
 
 `--without-compile` leaves bench_rmsnorm's torch.compile case out of the rounds (the state
 in which the copy and Liger take 28 µs).
@@ -107,21 +108,23 @@ def main(argv: list[str] | None = None) -> int:
     compiled = torch.compile(bench_rmsnorm.eager_rmsnorm)
     cases = [bench_rmsnorm.make_case(M, D, dt, gpu, compiled, liger)
              for dt in ("float16", "bfloat16")]
-    extra = ("liger_direct", "tuned_direct", "one_d", "one_d_rstd", "one_d_cast", "one_d_w4",
-             "one_d_rows2")
+    extra = ("liger_direct", "tuned_direct", "tuned_alloc", "one_d", "one_d_rstd", "one_d_cast",
+             "one_d_w4", "one_d_rows2")
     for case in cases:
         x, w, cfg = case["x"], case["w"], case["tuned_cfg"]
         y, rstd = torch.empty_like(x), torch.empty(M, device="cuda", dtype=torch.float32)
         case["fns"].update(liger_direct=liger_direct(x, w, y, rstd),
                            tuned_direct=lambda x=x, w=w, y=y, cfg=cfg: _launch_2d(x, w, y, 1e-6,
                                                                                   cfg),
+                           tuned_alloc=lambda x=x, w=w, cfg=cfg: _launch_2d(
+                               x, w, torch.empty_like(x), 1e-6, cfg),
                            one_d=one_d(x, w, y, rstd),
                            one_d_rstd=one_d(x, w, y, rstd, store_rstd=True),
                            one_d_cast=one_d(x, w, y, rstd, cast=True),
                            one_d_w4=one_d(x, w, y, rstd, warps=4),
                            one_d_rows2=one_d(x, w, y, rstd, rows=2, warps=4))
         ref = bench_rmsnorm.eager_rmsnorm(x.float(), w.float())
-        for k in extra[1:]:
+        for k in extra[3:]:
             case["fns"][k]()
             err = float((y.float() - ref).norm() / ref.norm())
             assert err < 1e-2, f"{k} wrong: rel err {err}"
