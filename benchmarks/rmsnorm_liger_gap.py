@@ -1,12 +1,14 @@
-"""What makes fusetune's RMSNorm call 8-10% slower than Liger Kernel's at 67 MB in some processes.
+"""What made fusetune's RMSNorm look 8-10% slower than Liger's and a copy at 67 MB in some runs.
 
-A diagnostic. At 4096 x 4096, in bench_rmsnorm's process (with its torch.compile case), the
-copy takes about 25 µs and Liger's kernel 26, while fusetune's takes 28 as in every other
-process (where the copy and Liger's kernel take 28 too; BENCHMARKS.md). With bfloat16 the
-tuned config is Liger's own launch (one row per program, a 4096-wide block, 8 warps), so the
-difference lies in the kernel's code or in how it is called. This script times, in one
-process and the same interleaved rounds as bench_rmsnorm (CUDA-graph replays, do_bench
-medians with the L2 flushed), beside bench_rmsnorm's own implementations:
+A diagnostic. At 4096 x 4096, bench_rmsnorm timed the copy at about 25 µs and Liger's kernel
+at 26, fusetune's at 28 as in every other process (where the copy and Liger's kernel took 28
+too). The answer (BENCHMARKS.md, 2026-11-25): whatever is timed right after the compiled
+RMSNorm on the same tensors reads part of x from the L2 (Inductor loads it with evict-last
+priority, which outlasts do_bench's flush); `--compile-at` shows it. The other variants rule
+out the kernel's code and the way it is called (with bfloat16 the tuned config is Liger's own
+launch: one row per program, a 4096-wide block, 8 warps). This script times, in one process
+and the same interleaved rounds as bench_rmsnorm (CUDA-graph replays, do_bench medians with
+the L2 flushed), beside bench_rmsnorm's own implementations:
 
 - `liger_direct`: Liger's kernel launched on preallocated outputs (no allocation in the call);
 - `one_d`: a kernel written like Liger's (a 1-D block, the row offset from the program id in
@@ -21,9 +23,12 @@ medians with the L2 flushed), beside bench_rmsnorm's own implementations:
   allocated in the call (`torch.empty_like(x)`, as `fusetune.rmsnorm` does).
 
 `--without-compile` leaves bench_rmsnorm's torch.compile case out of the rounds (the state
-in which the copy and Liger take 28 µs).
+in which the copy and Liger take 28 µs). The compiled case is timed where bench_rmsnorm
+times it (after every other implementation of a case, benchmarks.timing.TIMED_LAST), or with
+`--compile-at N` at place N of each case's order (0: first; 3: where bench_rmsnorm timed it
+before, after tuned, default and eager).
 
-    python -m benchmarks.rmsnorm_liger_gap [--without-compile] [--rounds 3]
+    python -m benchmarks.rmsnorm_liger_gap [--without-compile | --compile-at N] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -99,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=doc_summary(__doc__))
     ap.add_argument("--without-compile", action="store_true",
                     help="leave bench_rmsnorm's torch.compile case out of the rounds")
+    ap.add_argument("--compile-at", type=int,
+                    help="time the compiled case at this place of each case's order")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     gpu = cuda_gpu()
@@ -128,13 +135,16 @@ def main(argv: list[str] | None = None) -> int:
             case["fns"][k]()
             err = float((y.float() - ref).norm() / ref.norm())
             assert err < 1e-2, f"{k} wrong: rel err {err}"
-    impls = [k for k in bench_rmsnorm.IMPLS if not (args.without_compile and k == "compile")]
-    impls += list(extra)
-    medians, _ = time_cases(cases, impls, args.rounds)
+    impls = [k for k in bench_rmsnorm.IMPLS if k != "compile"] + list(extra)
+    if not args.without_compile:
+        impls.insert(len(impls) if args.compile_at is None else args.compile_at, "compile")
+    for case in cases:  # the timing order: that of impls
+        case["fns"] = {k: case["fns"][k] for k in impls}
+    medians, _ = time_cases(cases, impls, args.rounds, last=())
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
           f"{triton.__version__}; {M} x {D}, µs of CUDA-graph replays (copy: plain calls), "
-          f"do_bench medians, median of {args.rounds} interleaved rounds; torch.compile case "
-          f"{'left out' if args.without_compile else 'in the rounds'}\n")
+          f"do_bench medians, median of {args.rounds} interleaved rounds, in this order; "
+          f"torch.compile case {'left out' if args.without_compile else 'in the rounds'}\n")
     print("| dtype | " + " | ".join(impls) + " |")
     print("|---|" + "---:|" * len(impls))
     for case, t in zip(cases, medians, strict=True):
