@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 
 INTERRUPT_WAIT_S = 30.0  # after Ctrl-C at the time cap, before the run is killed
 

@@ -25,7 +25,7 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.bench_read_bw import read_us
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import add_cases_option, chosen_cases, doc_summary
 from benchmarks.timing import as_graph, cuda_gpu, median_us
 from fusetune import models
 from fusetune.kernels import get_spec
@@ -66,13 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--weights", default="", choices=["", *WEIGHT_FORMATS],
                     help="weight format (default: the activations' dtype)")
-    ap.add_argument("--cases", help="comma-separated names of the cases to time (default: "
-                    f"{','.join(DEFAULT_CASES)}; valid: {','.join(NAMED_CASES)})")
+    add_cases_option(ap, NAMED_CASES, DEFAULT_CASES)
     args = ap.parse_args(argv)
-    names = args.cases.split(",") if args.cases else DEFAULT_CASES
-    bad = [n for n in names if n not in NAMED_CASES]
-    if bad:
-        ap.error(f"unknown case(s) {','.join(bad)}; valid: {','.join(NAMED_CASES)}")
+    names = chosen_cases(ap, args.cases, NAMED_CASES, DEFAULT_CASES)
     gpu = cuda_gpu()
     if gpu is None:
         return 2

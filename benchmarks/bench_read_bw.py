@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from benchmarks.timing import cuda_gpu
 
 

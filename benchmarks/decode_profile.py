@@ -29,7 +29,7 @@ import triton
 
 from benchmarks.bench_decode import CASES, shipped_case
 from benchmarks.bench_read_bw import _read_kernel
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from benchmarks.timing import cuda_gpu
 from fusetune.kernels._spec import WEIGHT_FORMATS
 from fusetune.tuner.launches import launched_kernels

@@ -25,7 +25,7 @@ import triton
 
 from benchmarks.bench_decode import READ_SHAPES
 from benchmarks.bench_read_bw import read_us
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from benchmarks.timing import as_graph, cuda_gpu, interleaved_medians
 from fusetune import models
 from fusetune.kernels import ffn as ffn_mod

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import fusetune
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from benchmarks.timing import cuda_gpu, host_us_per_call
 
 

@@ -29,7 +29,7 @@ import triton
 
 from benchmarks.bench_decode import CASES, READ_SHAPES, shipped_case
 from benchmarks.bench_read_bw import _read_kernel, read_us
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from benchmarks.timing import as_graph, cuda_gpu, interleaved_medians, median_us
 from fusetune.kernels._spec import WEIGHT_FORMATS
 

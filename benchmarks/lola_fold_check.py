@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 import fusetune
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from benchmarks.timing import cuda_gpu, median_us
 from fusetune.kernels._matmul import grouped_tile
 

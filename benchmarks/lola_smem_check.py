@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from benchmarks.timing import cuda_gpu
 from fusetune.kernels._spec import Point
 from fusetune.kernels.lola import SPEC

@@ -27,7 +27,7 @@ import torch
 import triton
 
 import fusetune
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import add_cases_option, chosen_cases, doc_summary
 from benchmarks.timing import as_graph, cuda_gpu, interleaved_medians
 from fusetune.kernels import get_spec
 from fusetune.kernels._spec import Config, Point
@@ -92,13 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="2,4,8,16,64")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--entry-rows", type=int, help="also time the tuned entry of this many rows")
-    ap.add_argument("--cases", help="comma-separated names of the groups to time (default: "
-                    f"{','.join(DEFAULT_CASES)}; valid: {','.join(NAMED_CASES)})")
+    add_cases_option(ap, NAMED_CASES, DEFAULT_CASES, what="groups")
     args = ap.parse_args(argv)
-    names = args.cases.split(",") if args.cases else DEFAULT_CASES
-    bad = [n for n in names if n not in NAMED_CASES]
-    if bad:
-        ap.error(f"unknown case(s) {','.join(bad)}; valid: {','.join(NAMED_CASES)}")
+    names = chosen_cases(ap, args.cases, NAMED_CASES, DEFAULT_CASES)
     gpu = cuda_gpu()
     if gpu is None:
         return 2

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from fusetune.kernels._spec import Config, Cost, KernelSpec, Point, Resources, Tensors
 
 SPACE = """

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import optuna
 
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from fusetune.db.models import PointRow
 from fusetune.db.store import Store
 from fusetune.kernels import get_spec

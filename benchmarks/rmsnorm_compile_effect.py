@@ -23,7 +23,7 @@ import torch
 import triton
 
 from benchmarks import bench_rmsnorm
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from benchmarks.timing import Fn, as_graph, cuda_gpu, interleaved_medians
 from fusetune.kernels.rmsnorm import _launch_2d
 

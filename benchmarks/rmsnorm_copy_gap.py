@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from benchmarks import bench_rmsnorm
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from benchmarks.timing import cuda_gpu, time_cases
 from fusetune.gpus import GpuSpec
 from fusetune.kernels.rmsnorm import _launch_2d

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from benchmarks import bench_rmsnorm
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from benchmarks.timing import cuda_gpu, time_cases
 from fusetune.kernels.rmsnorm import _launch_2d
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 from triton.testing import do_bench
 
-from benchmarks.help_text import doc_summary
+from benchmarks.script_args import doc_summary
 from fusetune.gpus import GpuSpec
 from fusetune.tuner.bench import captured_launch
 
