@@ -15,7 +15,7 @@ import torch
 import yaml
 
 import fusetune
-from fusetune import gpus, tables
+from fusetune import gpus, runtime, tables
 from fusetune.kernels import get_spec
 from fusetune.kernels._spec import Point
 
@@ -364,7 +364,7 @@ def test_load_tables_replaces_env_tables(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_load_tables_overrides_shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shipped_text = yaml.safe_dump(doc({"h100-sxm": [entry(1, 1, CFG_A), entry(1, 512, CFG_A)]}))
-    monkeypatch.setattr(tables, "_shipped", tables.parse_tables(shipped_text, "shipped.yaml"))
+    monkeypatch.setattr(runtime, "_shipped", tables.parse_tables(shipped_text, "shipped.yaml"))
     assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_A
     fusetune.load_tables(write(tmp_path / "user.yaml", doc({
         "h100-sxm": [entry(1, 1, CFG_B), entry(4, 1, CFG_B)]})))
@@ -452,12 +452,12 @@ def test_cached_config_is_fast(tmp_path: Path) -> None:
     fusetune.load_tables(write(tmp_path / "t.yaml", doc({"interpreter": [entry(4, 1, CFG_I)]})))
     dims = (("dim", 64),)
     device = torch.device("cpu")
-    first = tables.cached_config("rmsnorm", dims, "float16", 4, device=device)
+    first = runtime.cached_config(SPEC, dims, "float16", 4, device=device)
     assert first == CFG_I
     n = 10000
     t0 = time.perf_counter()
     for _ in range(n):
-        tables.cached_config("rmsnorm", dims, "float16", 4, device=device)
+        runtime.cached_config(SPEC, dims, "float16", 4, device=device)
     avg_us = (time.perf_counter() - t0) / n * 1e6
     assert avg_us < 20, f"cached_config takes {avg_us:.1f} µs per call"
     t0 = time.perf_counter()
@@ -470,8 +470,8 @@ def test_cached_config_is_fast(tmp_path: Path) -> None:
 def test_cached_config_is_shared_but_lookup_copies(tmp_path: Path) -> None:
     fusetune.load_tables(write(tmp_path / "t.yaml", doc({"interpreter": [entry(4, 1, CFG_I)]})))
     dims = (("dim", 64),)
-    a = tables.cached_config("rmsnorm", dims, "float16", 4, device="cpu")
-    b = tables.cached_config("rmsnorm", dims, "float16", 4, device="cpu")
+    a = runtime.cached_config(SPEC, dims, "float16", 4, device="cpu")
+    b = runtime.cached_config(SPEC, dims, "float16", 4, device="cpu")
     assert a is b
     c = fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, gpu="interpreter")
     assert c == a and c is not a
@@ -502,3 +502,34 @@ def test_gpu_aliases_in_tables_resolve_to_canonical_names(tmp_path: Path) -> Non
     assert {k[0] for k in t.groups} == {"h100-sxm", "rtx-3090", "nvidia-l40s"}
     assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100-sxm") == CFG_B
     assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="3090") == CFG_C
+
+
+def test_shipped_tables_are_valid_for_every_kernel() -> None:
+    # The runtime checks a kernel's shipped entries when that kernel is first looked up; here
+    # every file is checked whole against the registry's specs.
+    from importlib import resources
+
+    files = [f for f in resources.files("fusetune.shipped_tables").iterdir()
+             if f.name.endswith(".yaml")]
+    assert files
+    for f in files:
+        assert len(tables.parse_tables(f.read_text(), f.name)) > 0
+
+
+def test_env_tables_checked_at_the_kernels_first_lookup(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # FUSETUNE_TABLES is read by the first launch, which knows its own kernel only: another
+    # kernel's bad entry is named when that kernel is looked up.
+    bad = dict(ffn_entry(1, 1, FFN_GEMV), config={**FFN_GEMV, "BLOCK_N": 3})
+    d = doc({"h100-sxm": [entry(1, 1, CFG_B)]})
+    d["gpus"]["h100-sxm"]["ffn"] = [bad]
+    path = write(tmp_path / "env.yaml", d)
+    monkeypatch.setenv(tables.ENV_VAR, str(path))
+    tables.reset()
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_B
+    with pytest.raises(fusetune.TableError,
+                       match=rf"{re.escape(str(path))}: gpus\.h100-sxm\.ffn\[0\]: config: "
+                             r"BLOCK_N=3 must be a power of two"):
+        fusetune.lookup("ffn", FFN_DIMS, "float16", rows=1, gpu="h100")
+    with pytest.raises(fusetune.TableError, match="BLOCK_N=3"):
+        fusetune.load_tables(path)  # loaded by name: checked whole at once

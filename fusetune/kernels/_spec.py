@@ -141,7 +141,7 @@ class KernelSpec:
     - `config_tolerance(point, config)`: the tolerance of one config where it depends on more
       than the dtype (FP8 activations); None to use `tolerance`.
     - `row_reach`: a table entry tuned for R rows serves a lookup of r rows only where
-      R < row_reach · r (None: any r <= R); see `tables._covering`.
+      R < row_reach · r (None: any r <= R); see `runtime._covering`.
     """
 
     name: str

@@ -232,10 +232,9 @@ def ffn(
     out = torch.empty((*x.shape[:-1], hidden), dtype=x.dtype, device=x.device)
     m = x2.shape[0]
     if config is None:
-        from fusetune.tables import cached_config
+        from fusetune.runtime import cached_config
 
-        cfg = cached_config("ffn", (("dim", d), ("hidden", hidden)), dtype, m, weights,
-                            x.device)
+        cfg = cached_config(SPEC, (("dim", d), ("hidden", hidden)), dtype, m, weights, x.device)
     else:
         cfg = SPEC.validate_config(config)
     _launch_2d(x2, rms_weight.contiguous(), w1, w3, out.view(-1, hidden), float(eps), cfg,

@@ -349,9 +349,9 @@ def lola(
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     m = x2.shape[0]
     if config is None:
-        from fusetune.tables import cached_config
+        from fusetune.runtime import cached_config
 
-        cfg = cached_config("lola", (("dim", d), ("out", n)), dtype, m, weights, x.device)
+        cfg = cached_config(SPEC, (("dim", d), ("out", n)), dtype, m, weights, x.device)
     else:
         cfg = SPEC.validate_config(config)
     _launch_2d(x2, w, bias.contiguous(), out.view(-1, n), float(eps), cfg,

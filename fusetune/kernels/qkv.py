@@ -362,11 +362,11 @@ def qkv(
     k = torch.empty(bsz, seq, nkv // head_dim, head_dim, dtype=x.dtype, device=x.device)
     v = torch.empty_like(k)
     if config is None:
-        from fusetune.tables import cached_config
+        from fusetune.runtime import cached_config
 
         dims = (("dim", d), ("head_dim", head_dim), ("interleaved", int(interleaved)),
                 ("n_heads", nq // head_dim), ("n_kv_heads", nkv // head_dim))
-        cfg = cached_config("qkv", dims, dtype, bsz * seq, weights, x.device)
+        cfg = cached_config(SPEC, dims, dtype, bsz * seq, weights, x.device)
     else:
         cfg = SPEC.validate_config(config)
     _launch_2d(x2, rms_weight.contiguous(), *ws, q.view(bsz * seq, nq), k.view(bsz * seq, nkv),

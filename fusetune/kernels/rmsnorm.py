@@ -128,9 +128,9 @@ def rmsnorm(
     y2 = y.view(-1, d)
     m = x2.shape[0]
     if config is None:
-        from fusetune.tables import lookup
+        from fusetune.runtime import cached_config
 
-        cfg = lookup("rmsnorm", {"dim": d}, dtype, rows=m, device=x.device)
+        cfg = cached_config(SPEC, (("dim", d),), dtype, m, "", x.device)
     else:
         cfg = SPEC.validate_config(config)
     _launch_2d(x2, weight.contiguous(), y2, float(eps), cfg)

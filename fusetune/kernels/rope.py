@@ -141,10 +141,10 @@ def rope(
         x = x.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if config is None:
-        from fusetune.tables import cached_config
+        from fusetune.runtime import cached_config
 
         dims = (("head_dim", d), ("heads", heads), ("interleaved", int(interleaved)))
-        cfg = cached_config("rope", dims, dtype, bsz * seq, "", x.device)
+        cfg = cached_config(SPEC, dims, dtype, bsz * seq, "", x.device)
     else:
         cfg = SPEC.validate_config(config)
     _launch_4d(x, y, int(start_pos), float(theta), bool(interleaved), cfg)

@@ -620,7 +620,7 @@ def test_gpu_e4m3_from_bytes_and_default_config(kernel: str, dtype: torch.dtype,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     # The default config (no tables: empty shipped ones, so that the lookup has no entry),
     # then the decoding that GPUs before sm_89 use, run here.
-    monkeypatch.setattr(fusetune.tables, "_shipped", fusetune.tables.Tables())
+    monkeypatch.setattr(fusetune.runtime, "_shipped", fusetune.tables.Tables())
     case = llama_case(kernel, "e4m3", 37, dtype)
     with pytest.warns(fusetune.FusetuneWarning, match="default heuristic"):
         case.check(None, False, head_dim=128)

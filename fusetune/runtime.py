@@ -1,0 +1,420 @@
+"""The runtime lookup: the config a kernel launches with, for its spec, this GPU and shape.
+
+The launchers hand it their KernelSpec and it never imports the kernel registry, so the arrow
+goes from the kernels to here and not back; `fusetune.tables` offers the same by kernel name
+(for applications, the tuner and export) and hands in the specs of every kernel.
+
+Sources, in order: the tables given to `load_tables` (or named by the environment variable
+FUSETUNE_TABLES, a path or several joined by the OS path separator), then the tables shipped
+inside the package. The entries of a kernel are checked against its spec when the table loads
+if the loader hands in the specs (fusetune.load_tables does), else when that kernel is first
+looked up (the shipped tables and FUSETUNE_TABLES, which the first launch reads).
+
+Lookup: the exact row count, else the next tuned row count above it (within the tuned range)
+whose config can serve the asked rows (the matmul kernels' one-row structure serves one row;
+their entries serve fewer than KernelSpec.row_reach times fewer rows), else the kernel's
+default heuristic with a one-time warning.
+
+This is the runtime path: it never imports optuna or sqlalchemy.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from fusetune.kernels._spec import DTYPES, Config, ConfigError, Point
+
+if TYPE_CHECKING:
+    from fusetune.gpus import GpuSpec
+    from fusetune.kernels._spec import KernelSpec
+
+SCHEMA_VERSION = 1
+ENV_VAR = "FUSETUNE_TABLES"
+ENTRY_FIELDS = {"dims": True, "dtype": True, "batch": True, "seq": True, "config": True,
+                "weights": False, "time_us": False, "default_us": False, "triton": False,
+                "torch": False, "backend": False}
+
+
+class TableError(ValueError):
+    """A lookup table that is malformed; the message names the file and the entry."""
+
+
+class FusetuneWarning(UserWarning):
+    """A kernel ran with the default heuristic because no tuned config covers its shape."""
+
+
+# (gpu, kernel, dims, dtype, weights) -> [(rows, config)], sorted by rows
+GroupKey = tuple[str, str, tuple[tuple[str, int], ...], str, str]
+
+
+@dataclass(frozen=True)
+class RawEntry:
+    """A table entry as read, before it is checked against its kernel's spec."""
+
+    source: str  # the file (for messages)
+    where: str  # its place in the file: gpus.<gpu>.<kernel>[<i>]
+    gpu: str  # canonical name
+    raw: Any
+
+
+@dataclass
+class Tables:
+    """Checked entries grouped by (GPU, kernel, dims, dtype, weights), each group sorted by
+    rows; `unchecked` holds, by kernel name, the entries not yet checked against the kernel's
+    spec (see `check`)."""
+
+    groups: dict[GroupKey, list[tuple[int, Config]]] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
+    unchecked: dict[str, list[RawEntry]] = field(default_factory=dict)
+
+    def merge(self, other: Tables) -> None:
+        for k, rows in other.groups.items():
+            self.groups.setdefault(k, []).extend(rows)
+            self.groups[k].sort(key=lambda r: r[0])
+        for kernel, entries in other.unchecked.items():
+            self.unchecked.setdefault(kernel, []).extend(entries)
+        self.sources += other.sources
+
+    def check(self, spec: KernelSpec) -> None:
+        """Checks the entries of spec's kernel that are not checked yet (TableError names the
+        first bad one, and then nothing changes) and adds them to `groups`."""
+        entries = self.unchecked.get(spec.name)
+        if not entries:
+            return
+        checked = [_checked(e, spec) for e in entries]
+        del self.unchecked[spec.name]
+        for key, rows, config in checked:
+            self.groups.setdefault(key, []).append((rows, config))
+        for key in {key for key, _, _ in checked}:
+            self.groups[key].sort(key=lambda r: r[0])
+
+    def __len__(self) -> int:
+        return (sum(len(v) for v in self.groups.values())
+                + sum(len(v) for v in self.unchecked.values()))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str) -> tuple[GroupKey, int, Config]:
+    if not isinstance(raw, Mapping):
+        raise TableError(f"{where}: an entry must be a mapping, got {type(raw).__name__}")
+    missing = [k for k, required in ENTRY_FIELDS.items() if required and k not in raw]
+    if missing:
+        raise TableError(f"{where}: missing field {', '.join(missing)}")
+    unknown = [str(k) for k in raw if k not in ENTRY_FIELDS]
+    if unknown:
+        raise TableError(f"{where}: unknown field {', '.join(unknown)}; valid: "
+                         f"{', '.join(ENTRY_FIELDS)}")
+    dims = raw["dims"]
+    if not isinstance(dims, Mapping) or sorted(dims) != sorted(spec.dim_names):
+        raise TableError(f"{where}: dims must be a mapping of {', '.join(spec.dim_names)}, "
+                         f"got {dims!r}")
+    for k, v in dims.items():
+        if not _is_int(v) or v < 0:
+            raise TableError(f"{where}: dims.{k}={v!r} must be a non-negative integer")
+    if raw["dtype"] not in DTYPES:
+        raise TableError(f"{where}: dtype {raw['dtype']!r} is not one of {', '.join(DTYPES)}")
+    for k in ("batch", "seq"):
+        if not _is_int(raw[k]) or raw[k] < 1:
+            raise TableError(f"{where}: {k}={raw[k]!r} must be a positive integer")
+    weights = raw.get("weights", "") or ""
+    if not isinstance(weights, str):
+        raise TableError(f"{where}: weights={weights!r} must be a string")
+    if weights and weights not in spec.weight_formats:
+        valid = (f"one of {', '.join(spec.weight_formats)}, or left out (weights in the "
+                 "activations' dtype)" if spec.weight_formats
+                 else f"left out ({spec.name} has no weights)")
+        raise TableError(f"{where}: weights {weights!r}: expected {valid}")
+    for k in ("time_us", "default_us"):
+        v = raw.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise TableError(f"{where}: {k}={v!r} must be a number")
+    try:
+        config = spec.validate_config(raw["config"], where=f"{where}: config")
+    except ConfigError as e:
+        raise TableError(str(e)) from None
+    key: GroupKey = (gpu, spec.name, tuple(sorted(dims.items())), raw["dtype"], weights)
+    return key, raw["batch"] * raw["seq"], config
+
+
+def _checked(entry: RawEntry, spec: KernelSpec) -> tuple[GroupKey, int, Config]:
+    try:
+        return _entry(entry.raw, entry.where, spec, entry.gpu)
+    except TableError as e:
+        raise TableError(f"{entry.source}: {e}") from None
+
+
+def canonical_gpu(name: Any) -> str:
+    """A catalogue GPU's canonical name for any of its names ("h100" -> "h100-sxm"); other
+    names (GPUs outside the catalogue, keyed by their device-name slug) stay as written."""
+    from fusetune import gpus
+
+    try:
+        return gpus.resolve(str(name)).name
+    except gpus.UnknownGpuError:
+        return str(name)
+
+
+def parse_tables(text: str, source: str, specs: Mapping[str, KernelSpec] | None) -> Tables:
+    """The table file `text` (`source` names it in errors), its document checked now.
+
+    `specs` (kernel name -> spec): every entry is checked now against its kernel's spec, and a
+    kernel outside `specs` is an error. None: each kernel's entries are checked when it is
+    first looked up (Tables.check). Either way TableError names the bad entry."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:  # includes tags that try to build Python objects
+        raise TableError(f"{source}: rejected, not plain YAML data: {' '.join(str(e).split())}"
+                         ) from None
+    if not isinstance(data, Mapping):
+        raise TableError(f"{source}: expected a mapping with schema_version, provenance, gpus")
+    for k in ("schema_version", "provenance", "gpus"):
+        if k not in data:
+            raise TableError(f"{source}: missing top-level field {k!r}")
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise TableError(f"{source}: schema_version {data['schema_version']!r} is not supported "
+                         f"(this fusetune reads {SCHEMA_VERSION})")
+    if not isinstance(data["provenance"], Mapping):
+        raise TableError(f"{source}: provenance must be a mapping")
+    gpus = data["gpus"]
+    if not isinstance(gpus, Mapping):
+        raise TableError(f"{source}: gpus must map GPU names to kernels")
+    tables = Tables(sources=[source])
+    for gpu_key, kernels in gpus.items():
+        gpu = canonical_gpu(gpu_key)
+        if not isinstance(kernels, Mapping):
+            raise TableError(f"{source}: gpus.{gpu_key} must map kernel names to entry lists")
+        for kernel, entries in kernels.items():
+            if specs is not None and kernel not in specs:
+                raise TableError(f"{source}: gpus.{gpu_key}.{kernel}: unknown kernel {kernel!r}; "
+                                 f"valid: {', '.join(sorted(specs))}")
+            if not isinstance(entries, list):
+                raise TableError(f"{source}: gpus.{gpu_key}.{kernel} must be a list of entries")
+            for i, raw in enumerate(entries):
+                entry = RawEntry(source, f"gpus.{gpu_key}.{kernel}[{i}]", str(gpu), raw)
+                if specs is None:
+                    tables.unchecked.setdefault(str(kernel), []).append(entry)
+                    continue
+                key, rows, config = _checked(entry, specs[kernel])
+                tables.groups.setdefault(key, []).append((rows, config))
+    for rows in tables.groups.values():
+        rows.sort(key=lambda r: r[0])
+    return tables
+
+
+def read_tables(path: str | Path, specs: Mapping[str, KernelSpec] | None) -> Tables:
+    """The table file at `path`, as parse_tables reads it."""
+    p = Path(path)
+    if not p.is_file():
+        raise TableError(f"table file {str(p)!r} does not exist")
+    return parse_tables(p.read_text(), str(p), specs)
+
+
+# ---- runtime state -----------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_user: Tables | None = None
+_shipped: Tables | None = None
+_cache: dict[tuple[Any, ...], Config] = {}
+_warned: set[tuple[Any, ...]] = set()
+_gpu_names: dict[tuple[str, int], Any] = {}
+
+
+def load_tables(*paths: str | Path, specs: Mapping[str, KernelSpec] | None) -> Tables:
+    """Uses these table files (read with `specs` as parse_tables does) before the shipped
+    tables, replacing earlier ones."""
+    global _user
+    tables = Tables()
+    for p in paths:
+        tables.merge(read_tables(p, specs))
+    with _lock:
+        _user = tables
+        _cache.clear()
+        _warned.clear()
+    return tables
+
+
+def _shipped_tables() -> Tables:
+    global _shipped
+    if _shipped is None:
+        t = Tables()
+        folder = resources.files("fusetune.shipped_tables")
+        for f in sorted(folder.iterdir(), key=lambda f: f.name):
+            if f.name.endswith(".yaml"):
+                t.merge(parse_tables(f.read_text(), f"fusetune/shipped_tables/{f.name}", None))
+        _shipped = t
+    return _shipped
+
+
+def _user_tables() -> Tables | None:
+    global _user
+    if _user is None and os.environ.get(ENV_VAR):
+        paths = [p for p in os.environ[ENV_VAR].split(os.pathsep) if p]
+        t = Tables()
+        for p in paths:
+            t.merge(read_tables(p, None))
+        _user = t
+    return _user
+
+
+def _tables_in_order() -> list[Tables]:
+    """The tables a lookup reads, in the order it reads them: the loaded ones (load_tables,
+    FUSETUNE_TABLES), then the shipped ones."""
+    user = _user_tables()
+    return [user, _shipped_tables()] if user is not None else [_shipped_tables()]
+
+
+def reset() -> None:
+    """Forgets loaded tables, cached lookups and warnings (FUSETUNE_TABLES is read again)."""
+    global _user, _shipped
+    with _lock:
+        _user, _shipped = None, None
+        _cache.clear()
+        _warned.clear()
+        _gpu_names.clear()
+
+
+def gpu_for_device(device: Any = None) -> Any:
+    """The catalogue GpuSpec of a torch device (the interpreter's spec for CPU tensors)."""
+    from fusetune import gpus
+
+    if device is None:
+        import torch
+
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if not hasattr(device, "type"):  # "cuda:0", "cpu" or an int
+        import torch
+
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        return gpus.INTERPRETER
+    index = device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    spec = _gpu_names.get(("cuda", index))
+    if spec is None:
+        spec = _gpu_names[("cuda", index)] = gpus.current_gpu(index)
+    return spec
+
+
+TunedEntry = tuple[tuple[tuple[str, int], ...], str, int, Config]  # (dims, dtype, rows, config)
+
+
+def tuned_entries(spec: KernelSpec, gpu: str, weights: str = "") -> list[TunedEntry]:
+    """Every entry the lookup could use for spec's kernel with `weights` on `gpu` (any dims,
+    dtype and row count): the loaded tables' first, then the shipped ones'. A search starts
+    from the nearest of them (fusetune.tuner.seeds)."""
+    out: list[TunedEntry] = []
+    for tables in _tables_in_order():
+        with _lock:
+            tables.check(spec)
+        for (g, k, dims, dtype, w), entries in tables.groups.items():
+            if g == gpu and k == spec.name and w == weights:
+                out += [(dims, dtype, rows, config) for rows, config in entries]
+    return out
+
+
+def _covering(rows: int, entries: list[tuple[int, Config]],
+              serves: Callable[[Config], bool], reach: int | None = None) -> Config | None:
+    """The config of the smallest tuned row count >= `rows` among `entries` (sorted by rows)
+    whose config `serves` these rows, and, with `reach` (KernelSpec.row_reach), that is fewer
+    than reach times `rows`; None outside the tuned range or where none does.
+
+    Upwards, because a config tuned for more rows serves fewer with its tiles partly masked,
+    while one tuned for fewer rows reads the weights once per row-block. But not too far up:
+    tiles tuned for thousands of rows leave most of a tile masked at a few rows, where the
+    default heuristic's smaller tiles do better (see _matmul_spec.MATMUL_ROW_REACH)."""
+    if not entries[0][0] <= rows <= entries[-1][0]:
+        return None
+    return next((config for r, config in entries
+                 if rows <= r and (reach is None or r < reach * rows) and serves(config)),
+                None)
+
+
+def _resolve(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
+             weights: str, gpu: GpuSpec) -> Config:
+    kernel = spec.name
+    group: GroupKey = (gpu.name, kernel, dims, dtype, weights)
+    point = Point(kernel, dims, 1, max(rows, 1), dtype, weights)
+
+    def serves(config: Config) -> bool:
+        # A structure tuned at other row counts may not apply at these: the one-row (GEMV)
+        # structure of the matmul kernels reads the weights once per row, so it serves one.
+        return not spec.resources(config, point).unfit
+
+    tuned: list[tuple[int, Config]] = []
+    for tables in _tables_in_order():
+        tables.check(spec)
+        entries = tables.groups.get(group)
+        if entries:
+            found = _covering(rows, entries, serves, spec.row_reach)
+            if found is not None:
+                return found
+            tuned = tuned or entries
+    config = spec.canonical(spec.default_config(point, gpu), point)
+    if group not in _warned:
+        _warned.add(group)
+        what = ", ".join(f"{k}={v}" for k, v in dims)
+        have = (f"tuned rows {tuned[0][0]}..{tuned[-1][0]}, asked {rows}" if tuned
+                else "no tuned entries")
+        if tuned and tuned[0][0] <= rows <= tuned[-1][0]:
+            have += " (no tuned config there can serve that many rows"
+            if spec.row_reach is not None:
+                have += f"; an entry tuned for R rows serves more than R/{spec.row_reach}"
+            have += ")"
+        warnings.warn(
+            f"fusetune: no tuned config for {kernel} on {gpu.name} ({what}, {dtype}"
+            f"{', weights ' + weights if weights else ''}; {have}): using the default heuristic "
+            f"{config}. Tune it with `fusetune search --kernel {kernel} --gpu {gpu.name}` and "
+            f"load the exported table with fusetune.load_tables() or {ENV_VAR}.",
+            FusetuneWarning, stacklevel=4)
+    return config
+
+
+def cached_config(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
+                  weights: str = "", device: Any = None) -> Config:
+    """The launchers' fast path: returns the cached (shared, do not modify) config."""
+    gpu = gpu_for_device(device)
+    key = (spec.name, gpu.name, dims, dtype, rows, weights)
+    config = _cache.get(key)
+    if config is None:
+        with _lock:
+            config = _cache[key] = _resolve(spec, dims, dtype, rows, weights, gpu)
+    return config
+
+
+def lookup(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,
+           weights: str = "", gpu: str | None = None, device: Any = None) -> Config:
+    """The config spec's kernel launches with for this GPU and shape (a copy).
+
+    `gpu` names a catalogue GPU ("h100", "3090", "interpreter"); by default the GPU of
+    `device` (or the current CUDA device; the interpreter when there is none).
+    """
+    if rows < 0:
+        raise ValueError(f"rows={rows} must be >= 0")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    dims_t = tuple(sorted(dims.items()))
+    if gpu is not None:
+        from fusetune import gpus
+
+        gpu_spec = gpus.resolve(gpu)
+        key = (spec.name, gpu_spec.name, dims_t, dtype, rows, weights)
+        with _lock:
+            config = _cache.get(key) or _cache.setdefault(
+                key, _resolve(spec, dims_t, dtype, rows, weights, gpu_spec))
+        return dict(config)
+    return dict(cached_config(spec, dims_t, dtype, rows, weights, device))
