@@ -1,5 +1,6 @@
-"""What the matmul-based kernels (ffn, lola, ...) share: tile heuristics, config collapsing,
-the shared-memory model of a software-pipelined K loop."""
+"""What the matmul-based kernels (ffn, qkv, lola) share: the jit helpers of their K loops and
+epilogues, tile heuristics, config collapsing, the shared-memory model of a software-pipelined
+K loop. The spec fields, resources and launch arguments built on these: _matmul_spec.py."""
 
 from __future__ import annotations
 
@@ -22,29 +23,8 @@ from fusetune.kernels._spec import (
     next_pow2,
 )
 
-# The tunables every matmul kernel has (the YAML spaces and tables name exactly these), and
-# the tolerance its output is checked with (float32 accumulation of fp16/bf16 products).
-# ACT_FP8 (0/1, see fp8.py), UNROLL_K (0/1: the GEMV structure's K loop takes two K-steps per
-# iteration, see gemv_two_products), SPREAD (0/1: a GEMV program's output rows lie far apart,
-# see block_rows), THREAD_SUM (0/1: a GEMV thread adds the products of its 16-byte run of a
-# weight row up before accumulating, see gemv_two_products) and TMA (0/1: the tensor-core loop
-# reads its tiles through TMA descriptors, see tma_two_products; ffn and lola) may be left out
-# of a config: tables written before them mean 0.
-MATMUL_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K",
-                      "ACT_FP8", "UNROLL_K", "SPREAD", "THREAD_SUM", "TMA", "num_warps",
-                      "num_stages")
-MATMUL_FLAGS = {"ACT_FP8": 0, "UNROLL_K": 0, "SPREAD": 0, "THREAD_SUM": 0, "TMA": 0}
 # The largest TMA box: a descriptor's tile is at most 256 elements along each side.
 TMA_MAX_BOX = 256
-MATMUL_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
-MATMUL_TOLERANCE = {"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
-# How far down in rows a matmul table entry serves (KernelSpec.row_reach): one tuned for R rows
-# serves r rows where R < 256·r. On the H100 at 16 rows the 4096-row tiles took 1.06-1.25x the
-# default heuristic's 16-row tile (ffn and qkv with e4m3 weights, ffn bf16, lola 4096 -> 16384),
-# while at 64 rows they were as fast or up to 2.4x faster (BENCHMARKS.md, "Lookup between tuned
-# row counts"): so a 4096-row entry serves 17 rows and more, and below that, where no entry
-# nearer in rows serves, the default runs.
-MATMUL_ROW_REACH = 256
 # The default heuristic's shortest K for TMA tiles (the shortest product measured faster with
 # them; see default_tiles).
 TMA_MIN_K = 768

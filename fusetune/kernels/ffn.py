@@ -24,31 +24,29 @@ import triton.language as tl
 from fusetune.gpus import GpuSpec
 from fusetune.kernels import fp8
 from fusetune.kernels._matmul import (
-    MATMUL_CONFIG_KEYS,
-    MATMUL_FLAGS,
-    MATMUL_POW2_KEYS,
-    MATMUL_ROW_REACH,
-    MATMUL_TOLERANCE,
     TWO_PRODUCT_SOURCES,
     block_rows,
-    collapse_tiles,
-    collapse_tma,
     default_tiles,
-    gemv_flag,
-    gemv_resources,
     grouped_tile,
-    pipelined_smem,
     rms_scaled_products,
     store_two_partials,
     tma_descriptors,
-    tma_smem,
     tma_two_products,
     two_partials_added,
     two_products,
 )
+from fusetune.kernels._matmul_spec import (
+    MATMUL_HOST_SOURCES,
+    MATMUL_SPEC_FIELDS,
+    first_pass,
+    launch_args,
+    launch_split,
+    matmul_canonical,
+    matmul_resources,
+    weight_bytes,
+)
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
-    WEIGHT_FORMATS,
     Config,
     Cost,
     KernelSpec,
@@ -146,13 +144,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
     n = w1.shape[0]
     if m == 0 or n == 0:
         return
-    act = fp8.act_fp8(config, fp8.weights_key(w1.dtype))
-    sx = out  # not read unless act
-    if act:
-        fp8.check_act_fp8("ffn", x.device)
-        x, sx = fp8.norm_fp8_rows(x, g, eps)
-    elif config["PASSES"] == 2:
-        x = rmsnorm(x, g, eps)
+    x, sx, act = first_pass("ffn", x, g, eps, config, w1.dtype, lambda t: rmsnorm(t, g, eps))
     gemv = config["BLOCK_M"] == 1
     w1, w_fp8 = fp8.weight_operand(w1, act, gemv)
     w3, _ = fp8.weight_operand(w3, act, gemv)
@@ -166,24 +158,17 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
     if split > 1:
         ws = torch.empty((2 * split, m, n), dtype=torch.float32, device=x.device)
         wsq = torch.empty((split, m), dtype=torch.float32, device=x.device)
-    tiles = cdiv(m, bm) * cdiv(n, bn)
+    args = launch_args(config, act=act, w_fp8=w_fp8, ieee=x.dtype == torch.float32,
+                       w_scaled=s1 is not None, tma=descs is not None)
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _ffn_kernel[grid](
-            xa, g, w1a, w3a, out, ws, wsq, sx, out if s1 is None else s1,
-            out if s3 is None else s3, m, n, k, x.stride(0), w1.stride(0), out.stride(0),
-            eps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-            PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
-            IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act,
-            W_SCALED=s1 is not None, UNROLL_K=config.get("UNROLL_K", 0),
-            SPREAD=gemv_flag(config, "SPREAD"), TMA=descs is not None,
-            THREAD_SUM=gemv_flag(config, "THREAD_SUM"),
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            xa, g, w1a, w3a, out, ws, wsq, out if sx is None else sx,
+            out if s1 is None else s1, out if s3 is None else s3, m, n, k, x.stride(0),
+            w1.stride(0), out.stride(0), eps, FINISH=finish, **args,
         )
 
-    launch((tiles, split), False)
-    if split > 1:
-        launch((tiles, 1), True)
+    launch_split(launch, cdiv(m, bm) * cdiv(n, bn), split)
 
 
 def ffn(
@@ -285,36 +270,18 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 
 
 def _canonical(config: Config, point: Point) -> Config:
-    c = collapse_tiles(config, point.rows, point.dim["hidden"], point.dim["dim"])
-    c = fp8.collapse_act_fp8(c, point, point.dim["dim"])
-    return collapse_tma(c, point, point.dim["dim"])
+    return matmul_canonical(config, point, point.dim["hidden"], point.dim["dim"])
 
 
 def _resources(config: Config, point: Point) -> Resources:
-    elt = DTYPE_BYTES[point.dtype]
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    threads = 32 * config["num_warps"]
-    operands = fp8.operand_bytes(config, point)
-    x_elt, w_elt, converted = operands
-    if bm == 1:
-        return gemv_resources(config, point.rows, w_elt, n_weights=2)
-    smem = pipelined_smem(config, elt, n_weights=2, epilogue=True, operands=operands)
-    tma = bool(config.get("TMA"))
-    if tma:
-        smem = max(smem, tma_smem(config, x_elt, w_elt, n_weights=2))
-    # Two float32 accumulators plus the operand fragments of one K-step (FP8 weight tiles
-    # upcast in registers: in x's type, as the MMA reads them).
-    w_bytes = elt if converted else w_elt
-    regs = (2 * bm * bn + (bm * bk * x_elt + 2 * bk * bn * w_bytes) // 4) // threads + 40
-    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads,
-                     fp8_mma=fp8.act_fp8(config, point.weights), tma=tma)
+    # W1 and W3: two weight tiles per K-step, two accumulators staged for the epilogue.
+    return matmul_resources(config, point, n_weights=2, epilogue=True, base_regs=40)
 
 
 def _cost(point: Point) -> Cost:
     m, d, hdim = point.rows, point.dim["dim"], point.dim["hidden"]
     elt = DTYPE_BYTES[point.dtype]
-    # FP8 weights: one byte each, and a float32 scale per output channel.
-    w_bytes = 2 * hdim * (d + 4) if point.weights in WEIGHT_FORMATS else 2 * hdim * d * elt
+    w_bytes = weight_bytes(point, 2 * hdim, d)
     return Cost(bytes=(m * d + m * hdim + d) * elt + w_bytes,
                 flops=2 * m * d * 2 * hdim + 6 * m * hdim)
 
@@ -327,8 +294,6 @@ SPEC = KernelSpec(
     name="ffn",
     description="RMSNorm -> x·W1ᵀ, x·W3ᵀ in one pass over x -> silu(a)·b",
     dim_names=("dim", "hidden"),
-    config_keys=MATMUL_CONFIG_KEYS,
-    pow2_keys=MATMUL_POW2_KEYS,
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,
     reference=_reference,
@@ -338,11 +303,7 @@ SPEC = KernelSpec(
     cost=_cost,
     canonical=_canonical,
     dims_from_model=_dims_from_model,
-    tolerance=MATMUL_TOLERANCE,
-    source_objects=(_ffn_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, _rmsnorm_kernel,
-                    *fp8.FP8_SOURCES),
-    flags=MATMUL_FLAGS,
-    weight_formats=WEIGHT_FORMATS,
-    config_tolerance=fp8.config_tolerance,
-    row_reach=MATMUL_ROW_REACH,
+    source_objects=(_ffn_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
+                    _rmsnorm_kernel, *fp8.FP8_SOURCES),
+    **MATMUL_SPEC_FIELDS,
 )

@@ -27,33 +27,31 @@ import triton.language as tl
 from fusetune.gpus import GpuSpec
 from fusetune.kernels import fp8
 from fusetune.kernels._matmul import (
-    MATMUL_CONFIG_KEYS,
-    MATMUL_FLAGS,
-    MATMUL_POW2_KEYS,
-    MATMUL_ROW_REACH,
-    MATMUL_TOLERANCE,
     block_rows,
-    collapse_tiles,
-    collapse_tma,
     default_tiles,
     dot,
-    gemv_flag,
     gemv_one_product,
-    gemv_resources,
     grouped_tile,
     k_slice,
     mma_weight,
     partial_ptrs,
-    pipelined_smem,
     row_norm_stats,
     scale_product,
     tma_descriptors,
     tma_one_product,
-    tma_smem,
+)
+from fusetune.kernels._matmul_spec import (
+    MATMUL_HOST_SOURCES,
+    MATMUL_SPEC_FIELDS,
+    first_pass,
+    launch_args,
+    launch_split,
+    matmul_canonical,
+    matmul_resources,
+    weight_bytes,
 )
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
-    WEIGHT_FORMATS,
     Config,
     Cost,
     KernelSpec,
@@ -271,13 +269,8 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
     n = w.shape[0]
     if m == 0 or n == 0:
         return
-    act = fp8.act_fp8(config, fp8.weights_key(w.dtype))
-    sx = out  # not read unless act
-    if act:
-        fp8.check_act_fp8("lola", x.device)
-        x, sx = fp8.norm_fp8_rows(x, None, eps)
-    elif config["PASSES"] == 2:
-        x = layernorm_rows(x, eps)
+    x, sx, act = first_pass("lola", x, None, eps, config, w.dtype,
+                            lambda t: layernorm_rows(t, eps))
     w, w_fp8 = fp8.weight_operand(w, act, config["BLOCK_M"] == 1)
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     # TMA: the K loop reads x and W through descriptors, where the config asks for it and the
@@ -289,24 +282,16 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         wst = torch.empty((split, 2 * m + n), dtype=torch.float32, device=x.device)
-    tiles = cdiv(m, bm) * cdiv(n, bn)
+    args = launch_args(config, act=act, w_fp8=w_fp8, ieee=x.dtype == torch.float32,
+                       w_scaled=sw is not None, tma=descs is not None)
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _lola_kernel[grid](
-            xa, wa, b, out, ws, wst, sx, out if sw is None else sw, m, n, k, x.stride(0),
-            w.stride(0), out.stride(0), eps,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-            PASSES=config["PASSES"], SPLIT_K=split, FINISH=finish,
-            IEEE=x.dtype == torch.float32, W_FP8=w_fp8, ACT_FP8=act, W_SCALED=sw is not None,
-            UNROLL_K=config.get("UNROLL_K", 0),
-            SPREAD=gemv_flag(config, "SPREAD"), TMA=descs is not None,
-            THREAD_SUM=gemv_flag(config, "THREAD_SUM"),
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            xa, wa, b, out, ws, wst, out if sx is None else sx, out if sw is None else sw,
+            m, n, k, x.stride(0), w.stride(0), out.stride(0), eps, FINISH=finish, **args,
         )
 
-    launch((tiles, split), False)
-    if split > 1:
-        launch((tiles, 1), True)
+    launch_split(launch, cdiv(m, bm) * cdiv(n, bn), split)
 
 
 def lola(
@@ -399,49 +384,42 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 
 
 def _canonical(config: Config, point: Point) -> Config:
-    c = collapse_tiles(config, point.rows, point.dim["out"], point.dim["dim"])
-    c = fp8.collapse_act_fp8(c, point, point.dim["dim"])
-    return collapse_tma(c, point, point.dim["dim"])
+    return matmul_canonical(config, point, point.dim["out"], point.dim["dim"])
+
+
+def _folded_smem(config: Config, elt: int, operands: tuple[int, int, bool]) -> int:
+    """Shared memory of the folded loop (PASSES = 1) beyond pipelined_smem's model: its sums
+    read their own copies of the tiles, so with wgmma tl.dot's operands go to the tensor cores
+    as loaded (FP8 weights: upcast, then staged in shared memory once more in x's type) and the
+    compiler keeps num_stages sets of tiles; and the float32 accumulator tile may be staged for
+    the epilogue."""
+    if config["PASSES"] != 1:
+        return 0
+    x_elt, w_elt, converted = operands
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    smem = bm * bn * 4
+    if bm >= 64 and config["num_warps"] >= 4:
+        tile = bm * bk * x_elt + bk * bn * w_elt
+        staged = bk * bn * elt if converted else 0
+        smem = max(smem, config["num_stages"] * tile + staged)
+    return smem
 
 
 def _resources(config: Config, point: Point) -> Resources:
-    elt = DTYPE_BYTES[point.dtype]
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    threads = 32 * config["num_warps"]
-    operands = fp8.operand_bytes(config, point)
-    x_elt, w_elt, converted = operands
-    if bm == 1:  # with PASSES == 1 the weights' sums take a second float32 tile
-        return gemv_resources(config, point.rows, w_elt, n_weights=3 - config["PASSES"])
-    smem = pipelined_smem(config, elt, n_weights=1, epilogue=False, operands=operands)
-    # PASSES = 1 (compiled with Triton 3.6 for sm_90, 16-bit and e4m3 weights, BLOCK_M
-    # 16-128, BLOCK_N 64-256, BLOCK_K 32-128, 2-8 warps, 2 and 4 stages: 432 configs, none
-    # above this model, median 1.03x; benchmarks/results/lola_fold_h100/smem_check.log): the
-    # folded loop's sums read their own copies of the tiles, so with wgmma tl.dot's operands go
-    # to the tensor cores as loaded (FP8 weights: upcast, then staged in shared memory once
-    # more in x's type) and the compiler keeps num_stages sets of tiles; and the float32
-    # accumulator tile may be staged for the epilogue (131072 B at 128/256/32 with 8 warps and
-    # 2 stages).
-    if config["PASSES"] == 1:
-        if bm >= 64 and config["num_warps"] >= 4:
-            tile = bm * bk * x_elt + bk * bn * w_elt
-            staged = bk * bn * elt if converted else 0
-            smem = max(smem, config["num_stages"] * tile + staged)
-        smem = max(smem, bm * bn * 4)
-    tma = bool(config.get("TMA"))
-    if tma:
-        smem = max(smem, tma_smem(config, x_elt, w_elt, n_weights=1))
-    w_bytes = elt if converted else w_elt  # FP8 weights upcast: the MMA reads x's type
-    regs = (bm * bn + (bm * bk * x_elt + bk * bn * w_bytes) // 4 + bk * bn) // threads + 40
-    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads,
-                     fp8_mma=fp8.act_fp8(config, point.weights), tma=tma)
+    # One weight tile per K-step, the output tile not staged for the epilogue; with PASSES == 1
+    # the one-row loop keeps the weights' sums in a second float32 tile, and the registers hold
+    # one more [BLOCK_K, BLOCK_N] tile either way.
+    return matmul_resources(config, point, n_weights=1, epilogue=False, base_regs=40,
+                            gemv_weights=3 - config["PASSES"],
+                            extra_regs=config["BLOCK_K"] * config["BLOCK_N"],
+                            loop_smem=_folded_smem)
 
 
 def _cost(point: Point) -> Cost:
     m, d, n = point.rows, point.dim["dim"], point.dim["out"]
     elt = DTYPE_BYTES[point.dtype]
-    # FP8 weights: one byte each, and a float32 scale per output channel.
-    w_bytes = n * (d + 4) if point.weights in WEIGHT_FORMATS else n * d * elt
-    return Cost(bytes=(m * d + m * n + n) * elt + w_bytes, flops=2 * m * d * n + 10 * m * n)
+    return Cost(bytes=(m * d + m * n + n) * elt + weight_bytes(point, n, d),
+                flops=2 * m * d * n + 10 * m * n)
 
 
 def _dims_from_model(model: ModelPreset) -> dict[str, int]:
@@ -452,8 +430,6 @@ SPEC = KernelSpec(
     name="lola",
     description="LayerNorm (no affine) -> x·Wᵀ + b -> exact GELU",
     dim_names=("dim", "out"),
-    config_keys=MATMUL_CONFIG_KEYS,
-    pow2_keys=MATMUL_POW2_KEYS,
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,
     reference=_reference,
@@ -463,12 +439,9 @@ SPEC = KernelSpec(
     cost=_cost,
     canonical=_canonical,
     dims_from_model=_dims_from_model,
-    tolerance=MATMUL_TOLERANCE,
     source_objects=(_lola_kernel, _layernorm_kernel, row_norm_stats, grouped_tile, block_rows,
                     k_slice, partial_ptrs, dot, gemv_one_product, tma_one_product, mma_weight,
-                    scale_product, _launch_2d, layernorm_rows, *fp8.FP8_SOURCES),
-    flags=MATMUL_FLAGS,
-    weight_formats=WEIGHT_FORMATS,
-    config_tolerance=fp8.config_tolerance,
-    row_reach=MATMUL_ROW_REACH,
+                    scale_product, _launch_2d, *MATMUL_HOST_SOURCES, layernorm_rows,
+                    *fp8.FP8_SOURCES),
+    **MATMUL_SPEC_FIELDS,
 )

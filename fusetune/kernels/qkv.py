@@ -29,31 +29,29 @@ import triton.language as tl
 from fusetune.gpus import GpuSpec
 from fusetune.kernels import fp8
 from fusetune.kernels._matmul import (
-    MATMUL_CONFIG_KEYS,
-    MATMUL_FLAGS,
-    MATMUL_POW2_KEYS,
-    MATMUL_ROW_REACH,
-    MATMUL_TOLERANCE,
     TWO_PRODUCT_SOURCES,
     block_rows,
-    collapse_tiles,
-    collapse_tma,
     default_tiles,
-    gemv_flag,
-    gemv_resources,
     grouped_tile,
-    pipelined_smem,
     rms_scaled_products,
     store_two_partials,
     tma_descriptors,
-    tma_smem,
     tma_two_products,
     two_partials_added,
     two_products,
 )
+from fusetune.kernels._matmul_spec import (
+    MATMUL_HOST_SOURCES,
+    MATMUL_SPEC_FIELDS,
+    first_pass,
+    launch_args,
+    launch_split,
+    matmul_canonical,
+    matmul_resources,
+    weight_bytes,
+)
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
-    WEIGHT_FORMATS,
     Config,
     Cost,
     KernelSpec,
@@ -234,13 +232,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     m, k = x.shape
     if m == 0:
         return
-    act = fp8.act_fp8(config, fp8.weights_key(wq.dtype))
-    sx = oq  # not read unless act
-    if act:
-        fp8.check_act_fp8("qkv", x.device)
-        x, sx = fp8.norm_fp8_rows(x, g, eps)
-    elif config["PASSES"] == 2:
-        x = rmsnorm(x, g, eps)
+    x, sx, act = first_pass("qkv", x, g, eps, config, wq.dtype, lambda t: rmsnorm(t, g, eps))
     gemv = config["BLOCK_M"] == 1
     wq, w_fp8 = fp8.weight_operand(wq, act, gemv)
     wk, _ = fp8.weight_operand(wk, act, gemv)
@@ -267,26 +259,18 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
                          device=x.device)
         wsq = torch.empty((split, m), dtype=torch.float32, device=x.device)
     n_blocks = cdiv(nq_pairs, bn) + 2 * cdiv(nkv_pairs, bn)
-    tiles = cdiv(m, config["BLOCK_M"]) * n_blocks
+    args = launch_args(config, act=act, w_fp8=w_fp8, ieee=x.dtype == torch.float32,
+                       w_scaled=scales is not None, tma=descs is not None)
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _qkv_kernel[grid](
-            xa, g, wq, wk, wv, *row_descs, oq, ok, ov, ws, wsq, sx, sq, sk, sv, m, k, seq,
-            nq_pairs, nkv_pairs, half,
+            xa, g, wq, wk, wv, *row_descs, oq, ok, ov, ws, wsq, oq if sx is None else sx, sq,
+            sk, sv, m, k, seq, nq_pairs, nkv_pairs, half,
             x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), start_pos,
-            -math.log2(theta) / half, eps,
-            BLOCK_M=config["BLOCK_M"], BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
-            GROUP_M=config["GROUP_M"], INTERLEAVED=interleaved, PASSES=config["PASSES"],
-            SPLIT_K=split, FINISH=finish, IEEE=x.dtype == torch.float32, W_FP8=w_fp8,
-            ACT_FP8=act, W_SCALED=scales is not None, UNROLL_K=config.get("UNROLL_K", 0),
-            SPREAD=gemv_flag(config, "SPREAD"), TMA=descs is not None,
-            THREAD_SUM=gemv_flag(config, "THREAD_SUM"),
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
+            -math.log2(theta) / half, eps, INTERLEAVED=interleaved, FINISH=finish, **args,
         )
 
-    launch((tiles, split), False)
-    if split > 1:
-        launch((tiles, 1), True)
+    launch_split(launch, cdiv(m, config["BLOCK_M"]) * n_blocks, split)
 
 
 def qkv(
@@ -457,37 +441,24 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
 
 
 def _canonical(config: Config, point: Point) -> Config:
-    c = collapse_tiles(config, point.rows, _pairs(point), point.dim["dim"])
-    c = fp8.collapse_act_fp8(c, point, point.dim["dim"])
-    has_tma = tma_pairs(bool(point.dim["interleaved"]), point.dim["head_dim"], c["BLOCK_N"])
-    return collapse_tma(c, point, point.dim["dim"], kernel_has_tma=has_tma)
+    def has_tma(c: Config) -> bool:
+        return tma_pairs(bool(point.dim["interleaved"]), point.dim["head_dim"], c["BLOCK_N"])
+
+    return matmul_canonical(config, point, _pairs(point), point.dim["dim"], has_tma)
 
 
 def _resources(config: Config, point: Point) -> Resources:
-    elt = DTYPE_BYTES[point.dtype]
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    threads = 32 * config["num_warps"]
-    operands = fp8.operand_bytes(config, point)
-    x_elt, w_elt, converted = operands
-    if bm == 1:
-        return gemv_resources(config, point.rows, w_elt, n_weights=2)
-    smem = pipelined_smem(config, elt, n_weights=2, epilogue=True, operands=operands)
-    tma = bool(config.get("TMA"))
-    if tma:
-        smem = max(smem, tma_smem(config, x_elt, w_elt, n_weights=2))
-    w_bytes = elt if converted else w_elt  # FP8 weights upcast: the MMA reads x's type
-    regs = (2 * bm * bn + (bm * bk * x_elt + 2 * bk * bn * w_bytes) // 4) // threads + 48
-    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads,
-                     fp8_mma=fp8.act_fp8(config, point.weights), tma=tma)
+    # Columns a and b of each pair: two weight tiles per K-step, two accumulators staged for
+    # the epilogue; more base registers than ffn's for the RoPE epilogue.
+    return matmul_resources(config, point, n_weights=2, epilogue=True, base_regs=48)
 
 
 def _cost(point: Point) -> Cost:
     m, d = point.rows, point.dim["dim"]
     n = 2 * _pairs(point)
     elt = DTYPE_BYTES[point.dtype]
-    # FP8 weights: one byte each, and a float32 scale per output channel.
-    w_bytes = n * (d + 4) if point.weights in WEIGHT_FORMATS else n * d * elt
-    return Cost(bytes=(m * d + m * n + d) * elt + w_bytes, flops=2 * m * d * n + 8 * m * n)
+    return Cost(bytes=(m * d + m * n + d) * elt + weight_bytes(point, n, d),
+                flops=2 * m * d * n + 8 * m * n)
 
 
 def _dims_from_model(model: ModelPreset) -> dict[str, int]:
@@ -499,8 +470,6 @@ SPEC = KernelSpec(
     name="qkv",
     description="RMSNorm -> Q, K, V projections -> RoPE on q and k, one launch",
     dim_names=("dim", "head_dim", "interleaved", "n_heads", "n_kv_heads"),
-    config_keys=MATMUL_CONFIG_KEYS,
-    pow2_keys=MATMUL_POW2_KEYS,
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,
     reference=_reference,
@@ -510,11 +479,7 @@ SPEC = KernelSpec(
     cost=_cost,
     canonical=_canonical,
     dims_from_model=_dims_from_model,
-    tolerance=MATMUL_TOLERANCE,
-    source_objects=(_qkv_kernel, sincos, *TWO_PRODUCT_SOURCES, _launch_2d, _rmsnorm_kernel,
-                    *fp8.FP8_SOURCES),
-    flags=MATMUL_FLAGS,
-    weight_formats=WEIGHT_FORMATS,
-    config_tolerance=fp8.config_tolerance,
-    row_reach=MATMUL_ROW_REACH,
+    source_objects=(_qkv_kernel, sincos, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
+                    _rmsnorm_kernel, *fp8.FP8_SOURCES),
+    **MATMUL_SPEC_FIELDS,
 )
