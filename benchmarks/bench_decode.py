@@ -3,11 +3,10 @@
 For ffn, qkv and lola at one token row, the kernel launches alone (no Python-side lookup or
 allocation, which at these sizes costs more than the GPU work) with the config of the lookup
 table, timed with do_bench (L2 flushed) in the same process as a Triton kernel that only reads
-the same number of bytes (benchmarks/bench_read_bw.py, its fastest shape) and a
-device-to-device copy. The kernel is timed twice: as CUDA-graph replays (the figure compared
-with the ceiling: no Python in the timed region; the tuner times graph replays too) and as
-plain launches, which is higher where one launch's Python-side cost exceeds do_bench's L2
-flush.
+the same number of bytes (the fastest of a few shapes) and a device-to-device copy. The kernel
+is timed twice: as CUDA-graph replays (the figure compared with the ceiling: no Python in the
+timed region; the tuner times graph replays too) and as plain launches, which is higher where
+one launch's Python-side cost exceeds do_bench's L2 flush.
 
     python -m benchmarks.bench_decode [--weights fp8-e4m3]
 
@@ -22,9 +21,9 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 from triton.testing import do_bench
 
-from benchmarks.bench_read_bw import read_us
 from benchmarks.script_args import add_cases_option, chosen_cases, doc_summary
 from benchmarks.timing import as_graph, cuda_gpu, median_us
 from fusetune import models
@@ -44,16 +43,42 @@ NAMED_CASES: dict[str, tuple[str, str | None, dict[str, int] | None]] = {
     "lola_768": ("lola", None, {"dim": 768, "out": 3072}),
 }
 DEFAULT_CASES = ("ffn", "qkv", "lola", "lola_11008")
-CASES = tuple(NAMED_CASES[n] for n in DEFAULT_CASES)
-# Shapes of the read-only kernel tried for each size: (BLOCK, STEPS, warps, unrolled, evict).
-READ_SHAPES = [(b, 1, w, False, True) for b in (1024, 2048, 4096) for w in (4, 8)] + \
-    [(b, 1, w, False, False) for b in (1024, 2048, 4096) for w in (4, 8)]
+# Shapes of the read-only kernel tried for each size: (BLOCK, warps, evict-first loads).
+READ_SHAPES = [(b, w, e) for e in (True, False) for b in (1024, 2048, 4096) for w in (4, 8)]
+
+
+@triton.jit
+def _read_kernel(X, OUT, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+    # Program p reads elements [p·BLOCK, (p+1)·BLOCK) (the mask covers the buffer's end) with
+    # 16-byte vector loads and writes their float32 sum: it reads every byte once and writes
+    # almost nothing, as a one-row matmul reads its weights. EVICT: the loads' eviction policy
+    # ("evict_first": each byte is read once, as the kernels' weight loads are marked; "": none).
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n, other=0.0, eviction_policy=EVICT)
+    tl.store(OUT + tl.program_id(0), tl.sum(x.to(tl.float32), axis=0))
+
+
+def read_us(x: torch.Tensor, block: int, warps: int, evict: bool) -> float:
+    """do_bench median µs of the read-only kernel over `x` (its sum checked first)."""
+    n = x.numel()
+    grid = triton.cdiv(n, block)
+    out = torch.empty(grid, device=x.device, dtype=torch.float32)
+
+    def run() -> None:
+        _read_kernel[(grid,)](x, out, n, BLOCK=block, EVICT="evict_first" if evict else "",
+                              num_warps=warps)
+
+    run()
+    torch.cuda.synchronize()
+    ref = x.float().sum()
+    assert torch.allclose(out.sum(), ref, rtol=1e-3, atol=1e-1), (float(out.sum()), float(ref))
+    return median_us(run)
 
 
 def shipped_case(kernel: str, model: str | None, dims: dict[str, int] | None, dtype: str,
                  weights: str) -> tuple[KernelSpec, dict[str, int], Point, Config, Evaluator]:
-    """One of CASES at one row: its spec, dims, point, the config the lookup gives it (the loaded
-    and shipped tables) and an Evaluator with its inputs on the GPU."""
+    """A named case at one row: its spec, dims, point, the config the lookup gives it (the
+    loaded and shipped tables) and an Evaluator with its inputs on the GPU."""
     spec = get_spec(kernel)
     dims = dims or spec.dims_from_model(models.preset(model))
     point = Point.make(kernel, dims, 1, 1, dtype, weights)

@@ -117,8 +117,9 @@ def reference(layer: Layer) -> tuple[torch.Tensor, ...]:
 def eager_fp16(layer: Layer, w16: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """The layer in torch with 16-bit weights `w16` (dequantized FP8): norm in float32, the
     products by cuBLAS (F.linear) in x's dtype."""
-    from fusetune.kernels.rope import _reference as rope_reference
+    from fusetune.kernels import get_spec
 
+    rope_reference = get_spec("rope").reference
     h = layer.x.float()
     if layer.kernel == "lola":
         xn = F.layer_norm(h, (h.shape[-1],), eps=1e-5).to(layer.x.dtype)

@@ -2,8 +2,8 @@
 vs torch eager vs torch.compile vs Liger Kernel (if installed) vs a device-to-device copy of the
 same bytes (the memory ceiling at that size). Medians of triton.testing.do_bench (L2 flushed)
 over CUDA-graph replays of each implementation, plus the Python-side cost of one call. The copy
-is timed twice: as a plain call ("copy", as in every earlier run) and captured in a CUDA graph
-like the kernels ("copy graph"); the table gives the tuned kernel's bandwidth against each.
+is timed twice: as a plain call ("copy") and captured in a CUDA graph like the kernels
+("copy graph"); the table gives the tuned kernel's bandwidth against each.
 
     python -m benchmarks.bench_rmsnorm --tables tables.yaml --dim 4096 \
         --rows 1,32,512,4096,16384 --dtype float16,bfloat16 --markdown out.md

@@ -17,7 +17,7 @@ import torch
 import fusetune
 from benchmarks.timing import heading, parser, report, run, start
 from fusetune.kernels._spec import Point
-from fusetune.kernels.rope import SPEC, _reference
+from fusetune.kernels.rope import SPEC
 
 FLOOR_TBS = 3.0
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "copy")
@@ -60,8 +60,8 @@ def make_case(shape: tuple[int, int, int, int], interleaved: bool, dtype_name: s
     point = Point.make("rope", dims, b, s, dtype_name)
     tuned_cfg = fusetune.lookup("rope", dims, dtype_name, rows=b * s)
     default_cfg = SPEC.canonical(SPEC.default_config(point, gpu), point)
-    ref = _reference({"x": x, "start_pos": start, "theta": 10000.0,
-                      "interleaved": interleaved})["y"]
+    ref = SPEC.reference({"x": x, "start_pos": start, "theta": 10000.0,
+                          "interleaved": interleaved})["y"]
     out = fusetune.rope(x, start, interleaved=interleaved)
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < SPEC.tolerance[dtype_name], f"tuned rope wrong: rel err {err}"

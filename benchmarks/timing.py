@@ -25,14 +25,12 @@ from fusetune.tuner.bench import captured_launch
 
 Fn = Callable[[], object]
 K = TypeVar("K")
-# A copy is timed as a plain call (its launch path is short enough not to leave the GPU idle),
-# as in every earlier run.
+# A copy is timed as a plain call: its launch path is short enough not to leave the GPU idle.
 PLAIN = frozenset({"copy"})
 # Timed after every other implementation of a case: torch.compile's reductions load their
 # input with evict-last priority, and lines so marked outlast do_bench's L2 flush, so that
 # whatever was timed after the compiled case on the same tensors read part of them from the
-# L2 (at 4096 x 4096 RMSNorm, 67 MB, the copy and every kernel timed after it ran 8-10%
-# faster; BENCHMARKS.md, 2026-11-25).
+# L2 (at 4096 x 4096 RMSNorm the copy and every kernel timed after it ran 8-10% faster).
 TIMED_LAST = frozenset({"compile"})
 
 

@@ -200,8 +200,8 @@ def test_spec() -> None:
 
 
 # Shared memory Triton allocated for this kernel on sm_90 (PASSES = 2: Triton 3.9 and 3.6;
-# PASSES = 1, whose sums read their own copies of the tiles: Triton 3.6 on the H100,
-# benchmarks/results/lola_fold_h100/smem_check.log):
+# PASSES = 1, whose sums read their own copies of the tiles: Triton 3.6 on the H100, compiled
+# for sm_90 by a diagnostic kept in git history at commit ce2c098, benchmarks/lola_smem_check.py):
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, PASSES) -> bytes (fp16 and bf16 alike).
 COMPILED_SMEM = {(16, 64, 128, 4, 4, 1): 61440, (128, 128, 64, 8, 3, 1): 98304,
                  (64, 256, 32, 8, 2, 1): 65536, (128, 256, 32, 8, 2, 1): 131072,
