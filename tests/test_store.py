@@ -59,6 +59,25 @@ def test_point_id_is_idempotent(db_url: str) -> None:
     assert "fusetune/h100-sxm/rmsnorm/dim=64/b=1/s=1/float16/cuda/k=abc123" in p.study_name
 
 
+def test_points_of_one_kernel_and_of_one_shape(db_url: str) -> None:
+    store = Store(db_url)
+    old = store.point_id(key(kernel_hash="old000"))
+    new = store.point_id(key())
+    other = store.point_id(key(batch=16))
+    cpu = store.point_id(key(backend="interpreter"))
+    ffn = store.point_id(key(kernel="ffn"))
+    store.record(old, "a", CFG_A, "ok", time_us=1.0)
+    assert [p.id for p in store.points("rmsnorm")] == [old, new, other, cpu]
+    assert [p.id for p in store.points("ffn")] == [ffn]
+    # every version of that shape, the most results first, then the newest
+    found = store.points_of_shape("h100-sxm", "rmsnorm", {"dim": 64}, 1, 1, "float16", "")
+    assert [(p.id, n) for p, n in found] == [(old, 1), (cpu, 0), (new, 0)]
+    found = store.points_of_shape("h100-sxm", "rmsnorm", {"dim": 64}, 1, 1, "float16", "",
+                                  backend="cuda")
+    assert [p.id for p, _ in found] == [old, new]
+    assert store.points_of_shape("h100-sxm", "rmsnorm", {"dim": 64}, 1, 1, "bfloat16", "") == []
+
+
 def test_record_and_results(db_url: str) -> None:
     store = Store(db_url)
     pid = store.point_id(key())

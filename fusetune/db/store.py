@@ -11,7 +11,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, delete, event, inspect, select, text, update
+from sqlalchemy import (
+    Connection,
+    create_engine,
+    delete,
+    event,
+    func,
+    inspect,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
@@ -23,6 +33,11 @@ DEFAULT_DB = "sqlite:///fusetune.db"
 POSTGRES_DRIVER = "postgresql+psycopg"  # psycopg 3: pip install 'fusetune[postgres]'
 # Any fixed 64-bit number: the PostgreSQL advisory lock that table creation holds.
 SCHEMA_LOCK_KEY = 0x66757365_74756E65  # "fusetune"
+
+
+def dims_json(dims: Mapping[str, int]) -> str:
+    """A point's dims as ft_points stores them: JSON with sorted keys, no spaces."""
+    return json.dumps(dict(sorted(dims.items())), separators=(",", ":"))
 
 
 class StoreError(RuntimeError):
@@ -47,7 +62,7 @@ class PointKey:
 
     @property
     def dims_json(self) -> str:
-        return json.dumps(dict(sorted(self.dims.items())), separators=(",", ":"))
+        return dims_json(self.dims)
 
     @property
     def study_name(self) -> str:
@@ -278,9 +293,30 @@ class Store:
         with self.session() as s:
             return [(p, w) for p, w in s.execute(q).all()]
 
-    def points(self) -> list[PointRow]:
+    def points(self, kernel: str | None = None) -> list[PointRow]:
+        """The stored points in the order they were made, optionally of one kernel."""
+        q = select(PointRow).order_by(PointRow.id)
+        if kernel is not None:
+            q = q.where(PointRow.kernel == kernel)
         with self.session() as s:
-            return list(s.scalars(select(PointRow).order_by(PointRow.id)).all())
+            return list(s.scalars(q).all())
+
+    def points_of_shape(self, gpu: str, kernel: str, dims: Mapping[str, int], batch: int,
+                        seq: int, dtype: str, weights: str, backend: str | None = None
+                        ) -> list[tuple[PointRow, int]]:
+        """The stored points of one shape of `kernel` on `gpu`, whatever kernel version, Triton
+        and torch they were measured with (and of one backend if given), each with its number
+        of stored results: the most results first, then the newest."""
+        n = func.count(ResultRow.id)
+        q = (select(PointRow, n).outerjoin(ResultRow, ResultRow.point_id == PointRow.id)
+             .where(PointRow.gpu == gpu, PointRow.kernel == kernel,
+                    PointRow.dims == dims_json(dims), PointRow.batch == batch,
+                    PointRow.seq == seq, PointRow.dtype == dtype, PointRow.weights == weights)
+             .group_by(PointRow.id).order_by(n.desc(), PointRow.id.desc()))
+        if backend is not None:
+            q = q.where(PointRow.backend == backend)
+        with self.session() as s:
+            return [(row, count) for row, count in s.execute(q).all()]
 
     # -- trials being evaluated -----------------------------------------------------------------
 

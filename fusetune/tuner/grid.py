@@ -13,17 +13,19 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import optuna
-from sqlalchemy import func, select
 
 from fusetune import gpus
-from fusetune.db.models import PointRow, ResultRow
 from fusetune.db.store import PointKey, Store, safe_url
 from fusetune.kernels._spec import Config, KernelSpec, Point
 from fusetune.tuner.seeds import neighbour_winners
 from fusetune.tuner.space import Plan, SearchSpace, config_key, make_plan
 from fusetune.tuner.study import PointResult, PointTuner
+
+if TYPE_CHECKING:
+    from fusetune.db.models import PointRow
 
 EVAL_S_ATTR = "grid_eval_s"  # seconds of grid runs spent evaluating configs of this point
 TIMED_ATTR = "grid_timed"  # configs those seconds cover
@@ -214,17 +216,8 @@ def find_points(store: Store, gpu: str, point: Point, backend: str | None = None
                 ) -> list[tuple[PointRow, int]]:
     """Stored points of `gpu` at `point` (any kernel version, Triton, torch; one backend if
     given) with their number of stored results, the most results first, then the newest."""
-    dims = json.dumps(dict(sorted(point.dim.items())), separators=(",", ":"))  # as PointKey
-    n = func.count(ResultRow.id)
-    q = (select(PointRow, n).outerjoin(ResultRow, ResultRow.point_id == PointRow.id)
-         .where(PointRow.gpu == gpu, PointRow.kernel == point.kernel, PointRow.dims == dims,
-                PointRow.batch == point.batch, PointRow.seq == point.seq,
-                PointRow.dtype == point.dtype, PointRow.weights == point.weights)
-         .group_by(PointRow.id).order_by(n.desc(), PointRow.id.desc()))
-    if backend is not None:
-        q = q.where(PointRow.backend == backend)
-    with store.session() as s:
-        return [(row, count) for row, count in s.execute(q).all()]
+    return store.points_of_shape(gpu, point.kernel, point.dim, point.batch, point.seq,
+                                 point.dtype, point.weights, backend)
 
 
 def stored_point(store: Store, gpu: str, point: Point, backend: str | None
@@ -251,10 +244,8 @@ def stored_point(store: Store, gpu: str, point: Point, backend: str | None
 
 def stored_points(store: Store, kernel: str) -> list[str]:
     """One line per stored point of `kernel` (for messages naming what there is)."""
-    with store.session() as s:
-        rows = s.scalars(select(PointRow).where(PointRow.kernel == kernel)
-                         .order_by(PointRow.id)).all()
-    return [f"{r.gpu} {r.dims} b={r.batch} s={r.seq} {r.dtype} ({r.backend})" for r in rows]
+    return [f"{r.gpu} {r.dims} b={r.batch} s={r.seq} {r.dtype} ({r.backend})"
+            for r in store.points(kernel)]
 
 
 def recorded_eval_time(storage: optuna.storages.BaseStorage, study_name: str

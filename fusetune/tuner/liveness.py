@@ -7,9 +7,12 @@ import socket
 import threading
 from datetime import datetime, timedelta, timezone
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-from fusetune.db.models import RunningRow
 from fusetune.db.store import Store
+
+if TYPE_CHECKING:
+    from fusetune.db.models import RunningRow
 
 HEARTBEAT_S = 10.0  # how often a running trial's heartbeat is written
 GRACE_S = 60.0  # a heartbeat older than this means the process that wrote it is gone
