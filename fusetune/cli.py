@@ -154,59 +154,65 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
             err.print(f"[yellow]note:[/] --devices {devices} is ignored with --dry-run")
         _print_plan(spec, space, points, target, trials)
         return
-    plans = _plans_ahead(spec, space, points, target)
-    try:
-        if target.devices:
-            _run_search_on_devices(spec, space, points, target, args.db, trials, time_budget,
-                                   seed, args.trial_timeout, _compile_workers(args, target, False),
-                                   plans=plans)
-            return
-        _run_search(spec, space, points, target, args.db, trials, time_budget, seed,
-                    args.worker_timeout, compile_workers=_compile_workers(args, target, False),
-                    compile_timeout=args.trial_timeout, plans=plans)
-    finally:
-        plans.close()
-
-
-def _plans_ahead(spec: Any, space: Any, points: Sequence[Any], target: Target) -> Any:
-    """The points' plans, started at once in spawned processes on a GPU (tuner/plans.py; the
-    interpreter's searches are small and plan in this process)."""
-    import os
-
-    from fusetune.tuner.plans import PlansAhead
-
-    processes = min(8, max(1, (os.cpu_count() or 2) // 2)) if target.backend == "cuda" else 1
-    return PlansAhead(space, spec, points, target.gpu, processes)
+    if target.devices:
+        _run_search_on_devices(spec, space, points, target, args.db, trials, time_budget,
+                               seed, args.trial_timeout, _compile_workers(args, target, False))
+        return
+    _run_search(spec, space, points, target, args.db, trials, time_budget, seed,
+                args.worker_timeout, compile_workers=_compile_workers(args, target, False),
+                compile_timeout=args.trial_timeout)
 
 
 def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trials: int) -> None:
-    from fusetune.tuner.space import make_plan
+    from fusetune.tuner.space import ENUMERATE_LIMIT, Plan, search_plan
 
     gpu = target.gpu
     console.print(f"[bold]Plan[/] for {spec.name} on {gpu.name} ({gpu.display}): "
-                  f"{len(points)} points; space {space.source}: {space.size} raw configs "
+                  f"{len(points)} points; space {space.source}: {space.size:,} raw configs "
                   f"({' × '.join(f'{p.name}:{len(p.values)}' for p in space.params)})")
     console.print(f"Limits applied: {gpu.smem_per_block} B shared memory per block, "
                   f"{gpu.regs_per_thread} registers per thread, {gpu.max_threads_per_block} "
                   "threads per block.")
     t = Table()
     weights = f", weights {points[0].weights}" if points[0].weights else ""
-    console.print(f"Points: dims {points[0].dims_label}{weights}; "
-                  "'distinct' counts configs after merging those that compile to the same kernel.")
-    for col in ("batch", "seq", "dtype", "rows", "distinct", "feasible", "pruned",
-                "pruned because", "will try"):
+    sampled = space.size > ENUMERATE_LIMIT
+    if sampled:
+        console.print(f"Points: dims {points[0].dims_label}{weights}. The space is larger than "
+                      f"{ENUMERATE_LIMIT:,} configs: each point's plan is a random sample of it "
+                      "(the shares below are estimates); a search prices every config it meets "
+                      "before compiling it.")
+    else:
+        console.print(f"Points: dims {points[0].dims_label}{weights}; 'distinct' counts configs "
+                      "after merging those that compile to the same kernel.")
+    cols = (("batch", "seq", "dtype", "rows", "sampled", "fit", "pruned because", "will try")
+            if sampled else ("batch", "seq", "dtype", "rows", "distinct", "feasible", "pruned",
+                             "pruned because", "will try"))
+    for col in cols:
         t.add_column(col, overflow="fold")  # long values wrap, never cut
     total_pruned = 0
     for p in points:
-        plan = make_plan(space, spec, p, gpu)
-        total_pruned += len(plan.infeasible)
-        why = "; ".join(f"{n} {k}" for k, n in plan.pruned_reasons.most_common()) or "-"
-        will = len(plan.feasible) if len(plan.feasible) <= trials else f"{trials} (sampled)"
-        t.add_row(str(p.batch), str(p.seq), p.dtype, str(p.rows), str(plan.distinct),
-                  str(len(plan.feasible)), str(len(plan.infeasible)), why, str(will))
+        plan = search_plan(space, spec, p, gpu)
+        will = plan.target(trials)
+        will_s = f"{will} (sampled)" if will < plan.raw_size and will == trials else str(will)
+        if isinstance(plan, Plan):
+            total_pruned += len(plan.infeasible)
+            why = "; ".join(f"{n} {k}" for k, n in plan.pruned_reasons.most_common()) or "-"
+            t.add_row(str(p.batch), str(p.seq), p.dtype, str(p.rows), str(plan.distinct),
+                      str(len(plan.feasible)), str(len(plan.infeasible)), why, will_s)
+        else:
+            why = "; ".join(f"{100 * n / plan.drawn:.0f}% {k}"
+                            for k, n in plan.draw_reasons.most_common()) or "-"
+            fit = 100 * (plan.drawn - sum(plan.draw_reasons.values())) / plan.drawn
+            t.add_row(str(p.batch), str(p.seq), p.dtype, str(p.rows), str(plan.drawn),
+                      f"{fit:.0f}%", why, will_s)
     console.print(t)
-    console.print(f"{total_pruned} configs pruned in all under {gpu.name}'s limits, before "
-                  "compiling anything.")
+    if sampled:
+        console.print(f"The configs pruned in all under {gpu.name}'s limits are counted as the "
+                      "search meets them; the shares above are of each point's sampled raw "
+                      "configs.")
+    else:
+        console.print(f"{total_pruned} configs pruned in all under {gpu.name}'s limits, before "
+                      "compiling anything.")
 
 
 def _shown(db: str) -> str:
@@ -239,13 +245,11 @@ def _open_store(db: str) -> tuple[Any, Any]:
 
 def _open_context(spec: Any, space: Any, target: Target, db: str,
                   trial_timeout: float | None, device: str | None = None,
-                  compile_workers: int = 0, compile_timeout: float = 300.0,
-                  plans: Any = None) -> Any:
+                  compile_workers: int = 0, compile_timeout: float = 300.0) -> Any:
     """What every point of a run shares; configs run in a worker process if `trial_timeout`.
     `device`: one of the target's devices (default: its first). `compile_workers`: processes
     that compile configs ahead of that device (0: none), each config within `compile_timeout`
-    seconds. `plans`: the points' plans (tuner/plans.py; None: each point plans its own).
-    Close it with `close()`."""
+    seconds. Close it with `close()`."""
     import torch
     import triton
 
@@ -260,7 +264,7 @@ def _open_context(spec: Any, space: Any, target: Target, db: str,
     compiler = (CompileAhead(spec.name, device, compile_workers, compile_timeout)
                 if compile_workers > 0 else None)
     return Context(spec, space, target.gpu, target.backend, device, store, storage,
-                   triton.__version__, torch.__version__, worker, compiler, plans)
+                   triton.__version__, torch.__version__, worker, compiler)
 
 
 def _compile_workers(args: PointArgs, target: Target, default_on: bool = True) -> int:
@@ -297,14 +301,13 @@ def _progress() -> Any:
 def _run_search(spec: Any, space: Any, points: Sequence[Any], target: Any, db: str,
                 trials: int, time_budget: float | None, seed: int,
                 trial_timeout: float | None, compile_workers: int = 0,
-                compile_timeout: float = 300.0, plans: Any = None) -> None:
+                compile_timeout: float = 300.0) -> None:
     from fusetune.tuner.bench import DeviceLostError
     from fusetune.tuner.sampling import SEARCH_BATCH
     from fusetune.tuner.study import PointTuner, SearchOptions
 
     ctx = _open_context(spec, space, target, db, trial_timeout,
-                        compile_workers=compile_workers, compile_timeout=compile_timeout,
-                        plans=plans)
+                        compile_workers=compile_workers, compile_timeout=compile_timeout)
     options = SearchOptions(trials=trials, time_budget_s=time_budget, seed=seed)
     console.print(f"Tuning {spec.name} on {target.gpu.name} ({target.device}, {target.backend}) "
                   f"into {_shown(db)}: {len(points)} points, up to {trials} configs each"
@@ -368,8 +371,7 @@ class _DeviceProgress:
 
 def _run_search_on_devices(spec: Any, space: Any, points: Sequence[Any], target: Target,
                            db: str, trials: int, time_budget: float | None, seed: int,
-                           trial_timeout: float, compile_workers: int = 0,
-                           plans: Any = None) -> None:
+                           trial_timeout: float, compile_workers: int = 0) -> None:
     """`search --devices`: a worker per device (and `compile_workers` compile processes per
     device), the points shared out between them (tuner/devices.py). The devices run configs
     in worker processes whatever --isolate says, each within `trial_timeout` seconds."""
@@ -382,7 +384,7 @@ def _run_search_on_devices(spec: Any, space: Any, points: Sequence[Any], target:
         for d in target.devices:
             contexts.append(_open_context(spec, space, target, db, trial_timeout, d,
                                           compile_workers=compile_workers,
-                                          compile_timeout=trial_timeout, plans=plans))
+                                          compile_timeout=trial_timeout))
     except BaseException:
         for ctx in contexts:
             ctx.close()
@@ -581,7 +583,7 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
     try:
         with _progress() as progress:
             for p in points:
-                tuner = PointTuner(ctx, p, SearchOptions())
+                tuner = PointTuner(ctx, p, SearchOptions(), exhaustive=True)
                 task = progress.add_task(p.label, total=len(tuner.plan.feasible),
                                          msg=f"{len(tuner.plan.infeasible)} pruned")
 

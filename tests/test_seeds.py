@@ -21,7 +21,7 @@ from fusetune.tuner.seeds import (
     start_configs,
     weights_distance,
 )
-from fusetune.tuner.space import Param, SearchSpace, config_key, load_space, make_plan
+from fusetune.tuner.space import Param, SearchSpace, config_key, load_space, make_plan, search_plan
 
 FFN = {"dim": 4096, "hidden": 11008}
 A100 = "a100-80gb"
@@ -180,7 +180,7 @@ def test_a_winner_stored_before_a_flag_existed_seeds_with_the_flags_default(
     point = Point.make("ffn", FFN, 1, 1, "float16")
     gpu = gpus.resolve("h100")
     space = load_space(spec)
-    plan = make_plan(space, spec, point, gpu)
+    plan = search_plan(space, spec, point, gpu)  # sampled: the space of millions
     default = spec.canonical(spec.default_config(point, gpu), point)
     old = {"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "GROUP_M": 1, "PASSES": 1,
            "SPLIT_K": 1, "ACT_FP8": 0, "UNROLL_K": 1, "TMA": 0, "num_warps": 8,

@@ -183,3 +183,56 @@ params:
     with pytest.raises(SpaceError, match=r"the flags ACT_FP8, UNROLL_K, SPREAD, THREAD_SUM, TMA "
                                          r"may be left out"):
         parse_space(text.replace("  num_stages: {values: [3]}\n", ""), ffn, "old.yaml")
+
+
+def test_a_sampled_plan_answers_as_the_enumerated_one() -> None:
+    # The same point planned both ways (the rmsnorm space is small enough to enumerate): every
+    # config gets the same verdict, and what the sampled plan says reaches a config does.
+    import random
+
+    from fusetune.tuner.space import SampledPlan
+
+    plan, gpu, point = _plan("3090", d=3000, batch=2, seq=37)
+    sampled = SampledPlan(load_space(SPEC), SPEC, point, gpu, sample=200)
+    assert sampled.drawn == 200 and 0 < len(sampled.sampled_feasible) <= len(plan.feasible)
+    assert sum(sampled.draw_reasons.values()) > 0  # the 3090 prunes some of the space
+    for config in plan.feasible:
+        key = config_key(config)
+        assert sampled.pruned(key) is None and sampled.is_feasible(key)
+        raw = sampled.raw_of(key)
+        assert raw is None or config_key(SPEC.canonical(raw, point)) == key
+    for key, why in plan.infeasible.items():
+        assert sampled.pruned(key) == why and not sampled.is_feasible(key)
+    # Few trials: the sample shows the space has them; more than the space holds: enumerated.
+    assert sampled.target(5) == 5
+    assert sampled.target(10_000) == len(plan.feasible) < 10_000
+    rng = random.Random(1)
+    tried = {config_key(c) for c in plan.feasible[1:]}
+    assert sampled.untried(rng, tried.__contains__) == plan.feasible[0]
+    assert sampled.untried(rng, lambda key: True) is None
+
+
+def test_a_search_samples_a_space_of_millions() -> None:
+    import random
+
+    from fusetune.tuner.space import ENUMERATE_LIMIT, Plan, SampledPlan, search_plan
+
+    ffn = get_spec("ffn")
+    space = load_space(ffn)
+    point = Point.make("ffn", {"dim": 4096, "hidden": 11008}, 16, 1, "bfloat16")
+    gpu = gpus.resolve("h100")
+    assert space.size > ENUMERATE_LIMIT
+    plan = search_plan(space, ffn, point, gpu)
+    assert isinstance(plan, SampledPlan) and plan.target(40) == 40
+    assert isinstance(search_plan(load_space(SPEC), SPEC, point, gpu), Plan)
+    rng = random.Random(0)
+    for _ in range(20):
+        c = plan.untried(rng, lambda key: False)
+        assert c is not None and ffn.canonical(c, point) == c
+        assert check_fits(ffn.resources(c, point), gpu) is None
+    default = ffn.canonical(ffn.default_config(point, gpu), point)
+    assert plan.is_feasible(config_key(default))
+    too_big = {**default, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 512, "num_stages": 5,
+               "PASSES": 2, "THREAD_SUM": 0, "SPREAD": 0, "UNROLL_K": 0, "SPLIT_K": 1}
+    key = config_key(ffn.canonical(too_big, point))
+    assert plan.pruned(key) is not None and not plan.is_feasible(key)

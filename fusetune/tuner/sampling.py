@@ -19,7 +19,7 @@ import optuna
 from optuna.trial import TrialState
 
 from fusetune.kernels._spec import Config, KernelSpec, Point
-from fusetune.tuner.space import Plan, SearchSpace, config_key
+from fusetune.tuner.space import PointPlan, SearchSpace, config_key
 
 # Repeats in a row (the sampler proposing configs already known) before an untried config is
 # enqueued: small spaces get covered instead of sampled again and again.
@@ -127,7 +127,7 @@ class Proposer:
     """
 
     def __init__(self, study: optuna.Study, space: SearchSpace, spec: KernelSpec, point: Point,
-                 plan: Plan, known: Callable[[str], float | None], rng: random.Random,
+                 plan: PointPlan, known: Callable[[str], float | None], rng: random.Random,
                  limit: int, on_repeat: Callable[[optuna.Trial, str], None] | None = None,
                  climb: bool = False) -> None:
         self.study, self.space, self.spec, self.point, self.plan = study, space, spec, point, plan
@@ -150,7 +150,7 @@ class Proposer:
         collapses onto it), or None if the space cannot express it."""
         params = self.space.to_params(config)
         if params is None:
-            raw = self.plan.representative.get(config_key(config))
+            raw = self.plan.raw_of(config_key(config))
             params = None if raw is None else self.space.to_params(raw)
         return params
 
@@ -208,16 +208,16 @@ class Proposer:
                 continue
             self._climbed.add(key)
             todo = [c for c in self.neighbours(t.params)
-                    if (k := config_key(c)) not in self.plan.infeasible and k not in pending
+                    if self.plan.pruned(k := config_key(c)) is None and k not in pending
                     and self.known(k) is None]
             if self.enqueue(todo) or todo:
                 return
 
     def _nudge(self, pending: Collection[str] = ()) -> None:
-        todo = [c for c in self.plan.feasible
-                if self.known(key := config_key(c)) is None and key not in pending]
-        if todo:
-            params = self.params_of(self.rng.choice(todo))
+        choice = self.plan.untried(
+            self.rng, lambda key: self.known(key) is not None or key in pending)
+        if choice is not None:
+            params = self.params_of(choice)
             if params is not None:
                 self.study.enqueue_trial(params)
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from fusetune import tables
 from fusetune.db.store import PointKey, Store
 from fusetune.kernels._spec import WEIGHT_FORMATS, Config, KernelSpec, Point
-from fusetune.tuner.space import Plan, SearchSpace, config_key
+from fusetune.tuner.space import PointPlan, SearchSpace, config_key
 
 NEIGHBOURS = 2  # winners of this many nearest points are tried right after the default
 DTYPE_DISTANCE = 1.0  # another activation dtype counts as a factor of 2 in the row count
@@ -110,7 +110,7 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
     return out
 
 
-def start_configs(spec: KernelSpec, point: Point, space: SearchSpace, plan: Plan,
+def start_configs(spec: KernelSpec, point: Point, space: SearchSpace, plan: PointPlan,
                   default: Config, neighbours: Sequence[Config]) -> list[Config]:
     """The default, then the neighbours' winners made canonical for `point`. A start config
     that this point's space does not hold (a winner of another space, a default outside a
@@ -121,12 +121,12 @@ def start_configs(spec: KernelSpec, point: Point, space: SearchSpace, plan: Plan
     for c in [default, *neighbours]:
         try:
             canon = spec.canonical(c, point)
-            if config_key(canon) not in plan.representative:
+            if plan.raw_of(config_key(canon)) is None:
                 canon = spec.canonical(space.nearest(canon), point)
         except (KeyError, TypeError, ValueError):  # a winner of an older kernel's config keys
             continue
         key = config_key(canon)
-        if key in seen or key not in plan.representative or key in plan.infeasible:
+        if key in seen or not plan.is_feasible(key):
             continue
         seen.add(key)
         out.append(canon)

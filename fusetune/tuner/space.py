@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -162,9 +163,18 @@ def load_space(spec: KernelSpec, path: str | Path | None = None) -> SearchSpace:
     return parse_space(p.read_text(), spec, str(p))
 
 
+ENUMERATE_LIMIT = 50_000  # raw configs a search plan enumerates; larger spaces are sampled
+PLAN_SAMPLE = 1000  # raw configs a sampled plan draws up front (more when trials ask for it)
+
+
 @dataclass
 class Plan:
-    """What tuning one point will try: distinct feasible configs and what was pruned, why."""
+    """Every config of one point's space: distinct feasible configs and what was pruned, why.
+
+    Enumerating prices each raw config of the space (its canonical form and predicted
+    resources); the exhaustive grid needs that, a search of a space of millions does not:
+    `search_plan` gives it a `SampledPlan` with the same methods.
+    """
 
     point: Point
     raw_size: int
@@ -174,10 +184,34 @@ class Plan:
     # config_key -> the first config of the space that collapses onto it: how a sampler reaches
     # a canonical config that lies outside the space itself.
     representative: dict[str, Config] = field(default_factory=dict)
+    _feasible_keys: set[str] | None = field(default=None, repr=False)
 
     @property
     def distinct(self) -> int:
         return len(self.feasible) + len(self.infeasible)
+
+    def pruned(self, key: str) -> str | None:
+        """Why the config of `key` is pruned, or None."""
+        return self.infeasible.get(key)
+
+    def raw_of(self, key: str) -> Config | None:
+        """A config of the space that collapses onto the config of `key` (None: none does)."""
+        return self.representative.get(key)
+
+    def is_feasible(self, key: str) -> bool:
+        """Whether the config of `key` is one of the space's configs that the GPU can hold."""
+        if self._feasible_keys is None:
+            self._feasible_keys = {config_key(c) for c in self.feasible}
+        return key in self._feasible_keys
+
+    def target(self, trials: int) -> int:
+        """Distinct feasible configs a search with `trials` evaluates: the space's if fewer."""
+        return min(trials, len(self.feasible))
+
+    def untried(self, rng: random.Random, skip: Callable[[str], bool]) -> Config | None:
+        """A feasible config chosen at random among those whose key `skip` does not refuse."""
+        todo = [c for c in self.feasible if not skip(config_key(c))]
+        return rng.choice(todo) if todo else None
 
 
 def _limit_label(reason: str, gpu: GpuSpec) -> str:
@@ -208,3 +242,100 @@ def make_plan(space: SearchSpace, spec: KernelSpec, point: Point, gpu: GpuSpec) 
             plan.infeasible[key] = why
             plan.pruned_reasons[_limit_label(why, gpu)] += 1
     return plan
+
+
+class SampledPlan:
+    """The plan of a point whose space is too large to enumerate (`Plan`'s methods): configs are
+    priced when the search meets them, and a random sample of the space, drawn up front,
+    estimates what the GPU's limits prune and shows that the space holds enough distinct
+    feasible configs for the trials asked (else the space is enumerated after all)."""
+
+    def __init__(self, space: SearchSpace, spec: KernelSpec, point: Point, gpu: GpuSpec,
+                 sample: int = PLAN_SAMPLE, seed: int = 0) -> None:
+        self.space, self.spec, self.point, self.gpu = space, spec, point, gpu
+        self.raw_size = space.size
+        self._rng = random.Random(seed)
+        self._pruned: dict[str, str | None] = {}  # config_key -> why pruned (None: fits)
+        self._raw: dict[str, Config | None] = {}  # config_key -> a raw config reaching it
+        self.drawn = 0  # raw configs drawn for the estimate
+        self.draw_reasons: Counter[str] = Counter()  # of those, pruned by limit (label)
+        self.sampled_feasible: dict[str, Config] = {}  # distinct feasible configs drawn
+        self._full: Plan | None = None
+        self._draw(sample)
+
+    def _random_raw(self, rng: random.Random) -> Config:
+        return {p.name: rng.choice(p.values) for p in self.space.params}
+
+    def _draw(self, n: int) -> None:
+        for _ in range(n):
+            raw = self._random_raw(self._rng)
+            c = self.spec.canonical(raw, self.point)
+            key = config_key(c)
+            self._raw.setdefault(key, raw)
+            why = self.pruned(key)
+            self.drawn += 1
+            if why is None:
+                self.sampled_feasible.setdefault(key, c)
+            else:
+                self.draw_reasons[_limit_label(why, self.gpu)] += 1
+
+    def pruned(self, key: str) -> str | None:
+        if self._full is not None:
+            return self._full.pruned(key)
+        if key not in self._pruned:
+            config = json.loads(key)
+            self._pruned[key] = check_fits(self.spec.resources(config, self.point), self.gpu)
+        return self._pruned[key]
+
+    def raw_of(self, key: str) -> Config | None:
+        if self._full is not None:
+            return self._full.raw_of(key)
+        if key not in self._raw:
+            config = json.loads(key)
+            raw: Config | None = None
+            try:
+                # The config itself when the space holds it, else the space's nearest config
+                # where that collapses onto it.
+                for guess in (config, self.space.nearest(config)):
+                    if (self.space.to_params(guess) is not None
+                            and config_key(self.spec.canonical(guess, self.point)) == key):
+                        raw = guess
+                        break
+            except KeyError:  # a config of other keys than the space's
+                raw = None
+            self._raw[key] = raw
+        return self._raw[key]
+
+    def is_feasible(self, key: str) -> bool:
+        return self.raw_of(key) is not None and self.pruned(key) is None
+
+    def target(self, trials: int) -> int:
+        if self._full is None and len(self.sampled_feasible) < trials:
+            # More draws first (a few per distinct config wanted), then the whole space.
+            self._draw(max(0, min(50 * trials, self.raw_size) - self.drawn))
+            if len(self.sampled_feasible) < trials:
+                self._full = make_plan(self.space, self.spec, self.point, self.gpu)
+        if self._full is not None:
+            return self._full.target(trials)
+        return trials
+
+    def untried(self, rng: random.Random, skip: Callable[[str], bool]) -> Config | None:
+        if self._full is not None:
+            return self._full.untried(rng, skip)
+        for _ in range(20 * PLAN_SAMPLE):
+            c = self.spec.canonical(self._random_raw(rng), self.point)
+            key = config_key(c)
+            if self.pruned(key) is None and not skip(key):
+                return c
+        return None
+
+
+PointPlan = Plan | SampledPlan  # what the search, the sampler and the seeds use
+
+
+def search_plan(space: SearchSpace, spec: KernelSpec, point: Point, gpu: GpuSpec) -> PointPlan:
+    """The plan a search of `point` works from: enumerated for spaces of up to ENUMERATE_LIMIT
+    raw configs, sampled for larger ones."""
+    if space.size <= ENUMERATE_LIMIT:
+        return make_plan(space, spec, point, gpu)
+    return SampledPlan(space, spec, point, gpu)

@@ -23,7 +23,6 @@ from fusetune.kernels._spec import Config, Cost, KernelSpec, Point
 from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
 from fusetune.tuner.compile_ahead import COMPILED, CompileAhead
 from fusetune.tuner.liveness import ClaimedElsewhere, Heartbeat, is_stale
-from fusetune.tuner.plans import PlansAhead
 from fusetune.tuner.sampling import (
     BATCH_SEARCH_STRATEGY,
     SEARCH_STRATEGY,
@@ -32,7 +31,7 @@ from fusetune.tuner.sampling import (
     max_asks,
 )
 from fusetune.tuner.seeds import neighbour_winners, start_configs
-from fusetune.tuner.space import Plan, SearchSpace, config_key, make_plan
+from fusetune.tuner.space import PointPlan, SearchSpace, config_key, make_plan, search_plan
 from fusetune.tuner.worker import Worker
 
 INTERRUPTED = "interrupted: the search stopped while this trial ran; it is tried again on resume"
@@ -66,8 +65,6 @@ class Context:
     worker: Worker | None = None  # run configs in this subprocess (None: in this process)
     # Compile processes that compile the configs ahead of `device` (None: it compiles them)
     compiler: CompileAhead | None = None
-    # The points' plans, made ahead and shared by the devices (None: each tuner plans its own)
-    plans: PlansAhead | None = None
 
     def close(self) -> None:
         """Stops the worker and the compile processes."""
@@ -166,17 +163,17 @@ class PointTuner:
     """Runs the study of one point; see `run`."""
 
     def __init__(self, ctx: Context, point: Point, options: SearchOptions,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, *, exhaustive: bool = False) -> None:
         self.ctx, self.point, self.options = ctx, point, options
         self.progress = progress or (lambda done, target, msg: None)
         self.spec = ctx.spec
-        self.plan: Plan = (ctx.plans.get(point) if ctx.plans is not None else
-                           make_plan(ctx.space, ctx.spec, point, ctx.gpu))
+        # The exhaustive grid needs every config of the space; a search samples large spaces.
+        self.plan: PointPlan = (make_plan if exhaustive else search_plan)(
+            ctx.space, ctx.spec, point, ctx.gpu)
         self.key = ctx.key(point)
         self.point_id = ctx.store.point_id(self.key)
         self.results = ctx.store.results(self.point_id)
         self.default = self.spec.canonical(self.spec.default_config(point, ctx.gpu), point)
-        self.feasible_keys = {config_key(c) for c in self.plan.feasible}
         self._evaluator: Evaluator | Worker | None = None
         self.n_new = 0
         self.compile_s = 0.0  # in the evaluating process (its outcomes' compile_s), this run
@@ -229,7 +226,7 @@ class PointTuner:
         of their evaluation; pruned and stored configs are left out."""
         if self.ctx.compiler is not None:
             self.ctx.compiler.submit(self.point, [
-                c for c in configs if config_key(c) not in self.plan.infeasible
+                c for c in configs if self.plan.pruned(config_key(c)) is None
                 and config_key(c) not in self.results])
 
     def _compiled_ahead(self, config: Config) -> bool:
@@ -242,8 +239,9 @@ class PointTuner:
     def _evaluate(self, config: Config, trial_number: int | None) -> Outcome:
         key = config_key(config)
         device = None  # a pruned config runs nowhere
-        if key in self.plan.infeasible:
-            out = Outcome("infeasible", self.plan.infeasible[key])
+        why = self.plan.pruned(key)
+        if why is not None:
+            out = Outcome("infeasible", why)
         else:
             device = self.ctx.device
             ahead = self._compiled_ahead(config)
@@ -261,7 +259,7 @@ class PointTuner:
     # -- the study -----------------------------------------------------------------------------
 
     def _evaluated_feasible(self) -> int:
-        return len(self.feasible_keys & self.results.keys())
+        return sum(1 for key in self.results if self.plan.is_feasible(key))
 
     def _refresh(self) -> None:
         """Takes in what other searches on this point stored meanwhile (in place: callers may
@@ -290,7 +288,7 @@ class PointTuner:
         nothing new. A search that joins a point another one is tuning calls only this: the
         other one picks the winner from every result (`finish`)."""
         ctx, opts = self.ctx, self.options
-        target = min(opts.trials, len(self.plan.feasible))
+        target = self.plan.target(opts.trials)
         # Compiling ahead: configs are asked a batch at a time, compiled in parallel, timed in turn
         strategy = SEARCH_STRATEGY if ctx.compiler is None else BATCH_SEARCH_STRATEGY
         study = optuna.create_study(
@@ -334,7 +332,7 @@ class PointTuner:
                 # Searches on one point share its budget: the configs any of them stored, and
                 # those another one is evaluating right now, count.
                 self._refresh()
-                busy = set(self._claims_elsewhere().values()) & self.feasible_keys
+                busy = {k for k in self._claims_elsewhere().values() if self.plan.is_feasible(k)}
                 room = target - self._evaluated_feasible() - len(busy)
                 if room <= 0:
                     break
@@ -352,10 +350,10 @@ class PointTuner:
                         # The sampler may well propose that config again while it runs
                         # elsewhere (a failed trial teaches it nothing): offer it one nobody has.
                         taken = busy | {proposal.key} | {p.key for p in ahead}
-                        todo = [c for c in self.plan.feasible if config_key(c) not in
-                                self.results and config_key(c) not in taken]
-                        if todo:
-                            proposer.enqueue([elsewhere_rng.choice(todo)])
+                        other = self.plan.untried(
+                            elsewhere_rng, lambda k, t=taken: k in self.results or k in t)
+                        if other is not None:
+                            proposer.enqueue([other])
                 except optuna.exceptions.UpdateFinishedTrialError:
                     # Another search was handed this very trial (on SQLite, Optuna's queue has
                     # no row locks) and finished it; that search stored its result.
@@ -411,7 +409,7 @@ class PointTuner:
         pending = self._claims_elsewhere()
         while pending:
             self.progress(self._evaluated_feasible(),
-                          min(self.options.trials, len(self.feasible_keys)),
+                          self.plan.target(self.options.trials),
                           f"waiting for {len(pending)} trial(s) of another search")
             time.sleep(WAIT_POLL_S)
             live = {c.id for c in self.ctx.store.running(self.point_id).values()
