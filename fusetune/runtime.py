@@ -335,8 +335,8 @@ def _covering(rows: int, entries: list[tuple[int, Config]],
 
     Upwards, because a config tuned for more rows serves fewer with its tiles partly masked,
     while one tuned for fewer rows reads the weights once per row-block. But not too far up:
-    tiles tuned for thousands of rows leave most of a tile masked at a few rows, where the
-    default heuristic's smaller tiles do better (see _matmul_spec.MATMUL_ROW_REACH)."""
+    a config tuned for thousands of rows loses to the default heuristic at a few rows (see
+    _matmul_spec.MATMUL_ROW_REACH)."""
     if not entries[0][0] <= rows <= entries[-1][0]:
         return None
     return next((config for r, config in entries

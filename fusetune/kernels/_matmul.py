@@ -25,8 +25,8 @@ from fusetune.kernels._spec import (
 
 # The largest TMA box: a descriptor's tile is at most 256 elements along each side.
 TMA_MAX_BOX = 256
-# The default heuristic's shortest K for TMA tiles (the shortest product measured faster with
-# them; see default_tiles).
+# The default heuristic's shortest K for TMA tiles (see default_tiles): below it the
+# descriptors have not been shown to pay off, so shorter products keep pointer loads.
 TMA_MIN_K = 768
 
 
@@ -415,9 +415,9 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
         c = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
              "SPLIT_K": 1, "num_warps": 4, "num_stages": 1}
     elif m <= 16:
-        # The norm pass first (PASSES = 2), then a plain K loop without split-K: at 16 rows of
-        # the Llama-2-7B ffn on the H200 60-64 µs, against 72-81 with the norm folded into the
-        # loop or with K split (`benchmarks/results/devices_h200x2_*.db`).
+        # The norm pass first (PASSES = 2), then a plain K loop without split-K: the pass is
+        # cheap at a few rows, while a folded norm rescales x in every column-block's loop and
+        # a split K adds the partial sums' round trip and a second launch.
         c = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "PASSES": 2,
              "SPLIT_K": 1, "num_warps": 4, "num_stages": 4}
     elif m <= 128:
@@ -427,21 +427,18 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2,
              "SPLIT_K": 1, "num_warps": 8, "num_stages": 3}
     # FP8 weights after a norm pass, on GPUs with FP8 tensor cores: FP8 activations too
-    # (ACT_FP8 = 1): on the H100 at M = 4096 the same tiles took 449-1234 µs so, against
-    # 1265-2475 with the weights upcast in registers (qkv, ffn; e4m3 and e5m2; BENCHMARKS.md).
-    # Elsewhere the weights are upcast (ACT_FP8 = 0), what every GPU can run.
+    # (ACT_FP8 = 1), so that the tiles reach the tensor cores as loaded, at the FP8 rate,
+    # instead of being upcast in registers on the way. Elsewhere the weights are upcast
+    # (ACT_FP8 = 0), what every GPU can run.
     fp8_mma = bool(point.weights) and gpu.fp8_tensor_cores and c["PASSES"] == 2
     c["ACT_FP8"] = int(fp8_mma)
     c["UNROLL_K"] = 0
     c["SPREAD"] = 0
     c["THREAD_SUM"] = 0
-    # Tiles through TMA descriptors at many rows, 16-bit weights: on the H100 at 4096 rows
-    # this tile took 1202 / 809 / 1099 µs with TMA against 1347 / 939 / 1282 by pointers (ffn,
-    # qkv, lola 4096 -> 16384; K = 4096), and 61.5 against 70.6 µs for lola 768 -> 3072 (K =
-    # 768; grids timed as CUDA-graph replays: an earlier plain-launch grid, which also timed
-    # the descriptors' host-side cost, had TMA slower there); at 512 rows (ffn) TMA was 59-65%
-    # slower, with FP8 by FP8 within ±5% (benchmarks/grid_spaces/*_tma.yaml grids,
-    # BENCHMARKS.md). Where the structure has no TMA loop, canonical drops it.
+    # Tiles through TMA descriptors at thousands of rows, 16-bit weights: the copy engine
+    # fills the pipeline's buffers with no address arithmetic or masks in the loop, which pays
+    # for long products; at a few hundred rows TMA tiles were slower, so pointers stay there.
+    # Where the structure has no TMA loop, canonical drops it.
     c["TMA"] = int(gpu.tma and m >= 2048 and k >= TMA_MIN_K and not point.weights)
     if m == 1:
         # A GEMV streams the weights once: split K until there are about four programs per SM,
@@ -452,10 +449,8 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
             c["SPLIT_K"] *= 2
         if point.weights:
             # FP8 weights in the GEMV loop: half the bytes per tile, so two K-steps per
-            # iteration and wider, shorter tiles; K split as for the 16-bit tiles. On the H100
-            # at Llama-2-7B dims (e4m3; grids of benchmarks/grid_spaces/*_gemv.yaml) ffn took
-            # 40.2 µs so, against 44.4 with the 16-bit default's tiles; qkv (its own BLOCK_N,
-            # BLOCK_K) 25.2 against 26.8, and 50-55 µs with SPLIT_K 2 or 4.
+            # iteration (twice the bytes in flight per wait) and wider, shorter tiles; K split
+            # as for the 16-bit tiles.
             c.update(BLOCK_N=16, BLOCK_K=256, UNROLL_K=1)
     while check_fits(resources(c, point), gpu) is not None:
         if c["num_stages"] > 2:
@@ -580,11 +575,9 @@ def tma_smem(config: Config, x_elt: int, w_elt: int, n_weights: int) -> int:
     return config["num_stages"] * (bm * bk * x_elt + n_weights * bk * bn * w_elt) + 1024
 
 
-# BLOCK_M = 1 multiplies each weight once per row, in float32 on the CUDA cores: at 16 rows of
-# the Llama-2-7B ffn on the H200 it took 330-1300 µs against 60-80 for 16-row tensor-core tiles,
-# and on the H100 already at 2 rows the tuned one-row configs took 1.2-1.6x the default 16-row
-# tile (ffn, qkv and lola, 16-bit and e4m3 weights; lola 768 -> 3072 even; benchmarks/
-# lookup_rows.py, BENCHMARKS.md). So it serves one row.
+# BLOCK_M = 1 reads the weights once per row and multiplies them in float32 on the CUDA cores,
+# where a 16-row tensor-core tile reads them once for all its rows: from two rows on the tile
+# is the better structure, so the one-row structure serves one row.
 GEMV_MAX_ROWS = 1
 
 
@@ -645,9 +638,8 @@ def pipelined_smem(config: Config, elt: int, n_weights: int, epilogue: bool,
         # (Hopper, BLOCK_M >= 64) the compiler then keeps num_stages full sets of tiles.
         return max(folded, stages * tile)
     if config.get("PASSES", 1) == 2 and wgmma:
-        # Weight tiles upcast in registers after a norm pass: Triton 3.6 on sm_90 kept
-        # num_stages sets of the loaded tiles plus BLOCK_K x BLOCK_N bytes per weight (lola,
-        # e4m3: 81920 B at 128/128/64 with 3 stages, 114688 B at 128/128/128 with 2).
+        # Weight tiles upcast in registers after a norm pass: Triton 3.6 on sm_90 keeps
+        # num_stages sets of the loaded tiles plus BLOCK_K x BLOCK_N bytes per weight.
         return max(folded, stages * tile + n_weights * bk * bn * w_elt)
     return folded
 

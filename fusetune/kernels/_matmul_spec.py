@@ -48,10 +48,10 @@ MATMUL_FLAGS = {"ACT_FP8": 0, "UNROLL_K": 0, "SPREAD": 0, "THREAD_SUM": 0, "TMA"
 MATMUL_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
 MATMUL_TOLERANCE = {"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
 # How far down in rows a matmul table entry serves (KernelSpec.row_reach): one tuned for R rows
-# serves r rows where R < 256·r. Tiles tuned for thousands of rows leave most of each tile
-# masked at a few rows, where the default heuristic's smaller tiles do better, while a few
-# dozen rows fill them well enough: so a 4096-row entry serves 17 rows and more, and below
-# that, where no entry nearer in rows serves, the default runs.
+# serves r rows where R < 256·r. A config tuned for thousands of rows (chosen where the tensor
+# cores bound the product) loses to the default heuristic at a few rows, where reading the
+# weights bounds it, but serves a few dozen rows well: so a 4096-row entry serves 17 rows and
+# more, and below that, where no entry nearer in rows serves, the default runs.
 MATMUL_ROW_REACH = 256
 
 # The KernelSpec fields every matmul kernel has: KernelSpec(name=..., ..., **MATMUL_SPEC_FIELDS).

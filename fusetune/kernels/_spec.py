@@ -291,8 +291,8 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for the launchers' grids: plain integer arithmetic (triton.cdiv, a
-    constexpr function, costs a few µs of CPU per call from Python, and a launch makes up to
-    three of them)."""
+    constexpr function, is slow to call from Python, and a launch makes up to three of
+    them)."""
     return -(-a // b)
 
 

@@ -10,8 +10,8 @@ added and before SiLU / GELU / RoPE / the bias. Two ways to multiply, a config k
   tl.dot (FP8 values are exact in float16, bfloat16 and float32, so the product sees exactly the
   stored weights). Works on every GPU: e5m2 is read as bytes (the top byte of a float16);
   e4m3, which Triton knows only from sm_89 on, with Triton's conversion (the hardware's) in the
-  one-row GEMV loop there, and as bytes decoded with integer operations otherwise, which
-  beside tl.dot on the H100 was faster than Triton's conversion (see weight_operand).
+  one-row GEMV loop there, and as bytes decoded with integer operations otherwise (beside
+  tl.dot that decoding is the faster of the two; see weight_operand).
 - ACT_FP8 = 1 (with PASSES = 2, on GPUs with FP8 tensor cores): the norm pass writes the
   normalized activations as e4m3 with one float32 scale per row (`norm_fp8_rows`), the K loop
   multiplies FP8 by FP8 with float32 accumulation, and the epilogue multiplies by the row scale
@@ -44,9 +44,9 @@ FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
 
 # ‖out − ref‖ / ‖ref‖ allowed with ACT_FP8 = 1, against the reference that multiplies the
 # unrounded normalized activations by the dequantized weights. Rounding the activations to e4m3
-# (3 mantissa bits) cost, measured in float32 at 64 to 4096 wide: 2.5-2.8% for one product
-# (qkv, lola), 3.7-3.9% for ffn's product of two (silu(a)·b). Twice the largest is allowed.
-# ACT_FP8 = 0 is held to the 16-bit tolerances: its products see the stored weights exactly.
+# (3 mantissa bits) costs a few percent of relative error, more for ffn's product of two
+# (silu(a)·b) than for one product (qkv, lola); twice ffn's is allowed. ACT_FP8 = 0 is held
+# to the 16-bit tolerances: its products see the stored weights exactly.
 ACT_FP8_TOLERANCE: dict[str, float] = {"float16": 0.08, "bfloat16": 0.08, "float32": 0.08}
 
 # How a matmul kernel reads its weight tiles: the W_FP8 constexpr (see _matmul.mma_weight).
@@ -140,10 +140,9 @@ def weight_operand(w: torch.Tensor, act_fp8: bool, gemv: bool = False
     if fmt == "e5m2":
         return w.view(torch.uint8), W_E5M2_BYTES
     # e4m3 where this GPU's Triton has the type (sm_89+) and the interpreter: Triton's
-    # conversion, which on sm_90 is the hardware's (two bytes per instruction). In the GEMV
-    # loop that streamed the Llama-2-7B ffn's weights in 33.0 µs on an H200 against 41.0 µs
-    # decoded with integer operations; beside tl.dot it took 104 µs against 56.8 (H100, ffn at
-    # M = 1 with 16-row tiles; BENCHMARKS.md), so the tensor-core loop reads bytes.
+    # conversion, which on sm_90 is the hardware's (two bytes per instruction), is the faster
+    # decoding in the GEMV loop; beside tl.dot the integer decoding is, so the tensor-core
+    # loop reads bytes.
     if not has_fp8(w.device) or (w.device.type == "cuda" and not gemv):
         return w.view(torch.uint8), W_E4M3_BYTES
     return w, W_UPCAST

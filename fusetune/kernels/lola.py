@@ -137,11 +137,9 @@ def _lola_kernel(
             w = mma_weight(w, x, W_FP8)  # FP8 weights: upcast to x's type, or kept as FP8
             if PASSES == 1:
                 # The sums come from a second load of the same tiles (L2 hits), not from the
-                # tiles tl.dot takes: on the H100 (Triton 3.6) summing those very tiles gave
-                # results that changed from launch to launch with 64-row tiles (relative
-                # errors up to 3.5e-2), and it was slower with 16-32-row tiles
-                # (benchmarks/lola_fold_check.py). ".cg" keeps the second load a load of
-                # its own.
+                # tiles tl.dot takes: with Triton 3.6 on sm_90, summing those very tiles gave
+                # results that changed from launch to launch with 64-row tiles, and it was
+                # slower with smaller tiles. ".cg" keeps the second load a load of its own.
                 xf = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0,
                              cache_modifier=".cg").to(tl.float32)
                 ws = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0,
@@ -220,12 +218,9 @@ def _layernorm_kernel(
 
 
 # The first pass of PASSES = 2 reads x once and writes it once, like RMSNorm: whole rows in
-# registers up to 16K columns (rmsnorm's default heuristic), several rows per program for
-# narrow rows, 16 elements a thread. On the H100 at 4096 rows (CUDA-graph replays,
-# benchmarks/lola_prefill_parts.py) as launched here: 4096 columns 27.7 µs (one row, 8 warps;
-# 27.9-29.7 with other rows and warps; 32.9 for the earlier loop that read each row three
-# times), 768 columns 9.6 µs (2 rows, 4 warps; 9.8-10.6 with 1-8 rows where a thread holds
-# 8-32 elements, 12-18 with one row on 8-16 warps; 10.9 before).
+# registers up to 16K columns (rmsnorm's default heuristic) rather than a loop that reads each
+# row again for each statistic, several rows per program for narrow rows rather than more warps
+# on one row, 16 elements a thread.
 LAYERNORM_PASS_ELEMENTS = 2048  # elements a program holds at least (rows of narrow inputs)
 LAYERNORM_THREAD_ELEMENTS = 16
 LAYERNORM_SINGLE_PASS_MAX = 16384

@@ -160,7 +160,7 @@ def _qkv_kernel(
             ra = (p0 // HALF) * (2 * HALF) + p0 % HALF
             rb = ra + HALF
         # The matrix's descriptors are picked first and one loop reads through them: a loop
-        # per matrix has pipeline buffers of its own (twice the shared memory, measured).
+        # per matrix has pipeline buffers of its own (twice the shared memory).
         if pid_n < nb_q:
             DA = QA
             DB = QB
@@ -430,9 +430,9 @@ def _pairs(point: Point) -> int:
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
     c = default_tiles(point, gpu, _resources, _pairs(point), point.dim["dim"])
     if c["BLOCK_M"] == 1:
-        # The GEMV reads even and odd weight rows as two tiles: on the H100 at Llama-2-7B dims
-        # 16 pairs x 256 took 49.2 µs, the ffn's 4 pairs x 512 74.9 (grid of
-        # benchmarks/grid_spaces/qkv_decode.yaml). 16 x 256 and its neighbours are all fast.
+        # The GEMV reads even and odd weight rows as two tiles, a poor fit for the ffn's 4
+        # pairs x 512; 16 pairs x 256 lies among neighbours that are all fast, so a GPU or
+        # dims a little different keep it fast too.
         c["BLOCK_N"], c["BLOCK_K"] = 16, 256
         return c
     # BLOCK_N counts pairs, two output columns each (tl.dot still needs 16 of them).

@@ -80,9 +80,9 @@ def resolve_workers(requested: int | None, backend: str, devices: int = 1,
     """(compile processes to use, a note to show or None) for --compile-workers `requested`
     (None: the default, default_workers if `default_on`, else off) on `backend`. Only CUDA
     compiles anything: the interpreter runs the kernels' Python, so compiling ahead is off
-    there. The search leaves it off unless asked: on the H100 a 16-config ffn search took as
-    long with 8 compile processes as without (their start-up cost what compiling ahead saved);
-    the exhaustive grid, where every config is known ahead, has it on."""
+    there. The search leaves it off unless asked: over the few configs a search times, the
+    compile processes' start-up costs about what compiling ahead saves; the exhaustive grid,
+    where every config is known ahead, has it on."""
     if requested is not None and requested < 0:
         raise ValueError(f"--compile-workers {requested}: expected 0 (off) or a positive number "
                          "of processes")
