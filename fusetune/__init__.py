@@ -4,6 +4,7 @@
     fusetune.load_tables("tables.yaml")      # tables from `fusetune export` (or FUSETUNE_TABLES)
     fusetune.lookup("rmsnorm", {"dim": 4096}, "float16", rows=16)
     w1q, s1 = fusetune.quantize_fp8(w1)      # FP8 weights + per-channel scales, once per model
+    fusetune.patch(model)                    # a transformers Llama/Mistral/Qwen2 on the fused ops
 
 Importing fusetune loads the kernels lazily and never imports optuna or sqlalchemy.
 """
@@ -14,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["FusetuneWarning", "TableError", "ffn", "load_tables", "lola", "lookup", "qkv",
-           "quantize_fp8", "rmsnorm", "rope"]
+__all__ = ["FusetuneWarning", "TableError", "ffn", "load_tables", "lola", "lookup", "patch",
+           "qkv", "quantize_fp8", "rmsnorm", "rope", "unpatch"]
 
 _LAZY = {
     "rmsnorm": ("fusetune.kernels.rmsnorm", "rmsnorm"),
@@ -28,6 +29,8 @@ _LAZY = {
     "lookup": ("fusetune.tables", "lookup"),
     "TableError": ("fusetune.tables", "TableError"),
     "FusetuneWarning": ("fusetune.tables", "FusetuneWarning"),
+    "patch": ("fusetune.integrations.hf", "patch"),
+    "unpatch": ("fusetune.integrations.hf", "unpatch"),
 }
 
 if TYPE_CHECKING:

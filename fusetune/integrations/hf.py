@@ -1,0 +1,424 @@
+"""`patch` / `unpatch`: fusetune's fused ops inside a Hugging Face transformers causal LM.
+
+    model = fusetune.patch(model)                       # in place; returns the model
+    model = fusetune.patch(model, weights="fp8-e4m3")   # projections stored in FP8, once
+    fusetune.unpatch(model)                             # the model's own forwards again
+
+What is swapped, per family (Llama, Mistral, Qwen2): the `forward` of module *instances* (never
+of the classes, so other models of the same family in the process stay as they are), bound with
+`types.MethodType`; no module and no parameter is replaced (unless weights are FP8):
+
+- each attention module: input_layernorm + q/k/v (+ the Qwen2 biases) + RoPE -> `ops.qkv`, with
+  the cos/sin the model's rotary embedding computed (so every rope_scaling type comes out as the
+  model computes it); then the model's own KV cache update and attention function, chosen as the
+  module chooses it; o_proj + the residual add that follows it -> `ops.linear`. It therefore
+  takes the layer's input (before the norm) and returns that input plus the attention block's
+  output, with the attention weights beside it as before (so `output_attentions` still works
+  through the model's hooks on the attention modules);
+- each decoder layer: the attention module as above, then post_attention_layernorm + gate/up +
+  SiLU·mul -> `ops.ffn`, down_proj + the residual add -> `ops.linear`;
+- the final norm -> `ops.rmsnorm`.
+
+`unpatch` deletes those instance attributes, so that each module's class `forward` is found
+again: same modules, same parameters, same forward functions. A model whose projections were
+quantized to FP8 cannot get its 16-bit weights back; `unpatch` refuses it.
+
+The ops are looked up in `fusetune.ops` at every call (`from fusetune import ops`), so that a
+substitute module or function can stand in for them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusetune.kernels._spec import DTYPES, WEIGHT_FORMATS
+
+_STATE = "_fusetune_patch"  # attribute of the patched base model (LlamaModel, ...)
+ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+               ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
+               ("mlp", "down_proj"))
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the supported model families, for the replacement forwards.
+
+    `sliding_window`: what the family's attention passes to the attention function as
+    `sliding_window` (read from the attention module at each call, as the model does); None
+    where the family passes nothing.
+    """
+
+    name: str  # transformers' module name: transformers.models.<name>.modeling_<name>
+    prefix: str  # class name prefix: <prefix>ForCausalLM, <prefix>Model, <prefix>DecoderLayer
+    qkv_bias: bool
+    rope_types: tuple[str, ...]
+    sliding_window: Callable[[nn.Module], int | None] | None = None
+
+    def modeling(self) -> types.ModuleType:
+        return importlib.import_module(f"transformers.models.{self.name}.modeling_{self.name}")
+
+    def cls(self, suffix: str) -> type:
+        return getattr(self.modeling(), f"{self.prefix}{suffix}")
+
+    @property
+    def classes(self) -> str:
+        return f"{self.prefix}ForCausalLM, {self.prefix}Model"
+
+
+FAMILIES: tuple[Family, ...] = (
+    # Llama 2 (and its linear / dynamic scaled fine-tunes), Llama 3, 3.1/3.2 (rope type llama3)
+    Family("llama", "Llama", qkv_bias=False, rope_types=("default", "linear", "dynamic", "llama3")),
+    Family("mistral", "Mistral", qkv_bias=False, rope_types=("default",),
+           sliding_window=lambda attn: getattr(attn.config, "sliding_window", None)),
+    # Qwen2.5's long-context configs add YaRN scaling
+    Family("qwen2", "Qwen2", qkv_bias=True, rope_types=("default", "yarn"),
+           sliding_window=lambda attn: attn.sliding_window),
+)
+
+
+@dataclass
+class PatchState:
+    """What `patch` did to one model, kept on its base model for `unpatch`."""
+
+    family: str
+    weights: str  # "" (the model's own weights) or an FP8 format
+    forwards: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (module, bound fwd)
+
+
+def patch(model: nn.Module, *, weights: str | None = None) -> nn.Module:
+    """Runs the transformers causal LM `model` (Llama, Mistral, Qwen2 families; also their base
+    models, e.g. LlamaModel) through fusetune's fused ops, in place; returns `model`.
+
+    weights: None keeps the model's weights; "fp8-e4m3" or "fp8-e5m2" quantizes every
+    projection (q, k, v, o, gate, up, down) once, with one float32 scale per output channel
+    (`fusetune.quantize_fp8`), frees the 16-bit copies and prints the memory before and after.
+    The activations stay in the model's dtype (weight-only FP8).
+
+    Everything is checked before anything changes: an unsupported model raises ValueError and is
+    left as it was. The patched layers have no backward pass: with gradients enabled and a
+    parameter or input that requires grad they raise RuntimeError (run under torch.no_grad() or
+    torch.inference_mode(); generate() does).
+    """
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ValueError(f"fusetune.patch: weights={weights!r}; valid: None (the model's own "
+                         f"weights), {', '.join(repr(w) for w in WEIGHT_FORMATS)}")
+    family, base = _recognise(model, "fusetune.patch")
+    if getattr(base, _STATE, None) is not None:
+        state: PatchState = getattr(base, _STATE)
+        raise ValueError(f"fusetune.patch: this {type(model).__name__} is patched already "
+                         f"(weights={state.weights or None!r}); fusetune.unpatch(model) first")
+    _check(family, base)
+    from fusetune import ops  # noqa: F401  (fails here, not in the first forward, if missing)
+
+    state = PatchState(family.name, weights or "")
+    if weights:
+        _quantize(base, weights.removeprefix("fp8-"))
+    eager = family.modeling().eager_attention_forward
+    fp8 = bool(weights)
+    for layer in base.layers:
+        _bind(state, layer.self_attn,
+              _attention_forward(layer.input_layernorm, family.sliding_window, eager, fp8))
+        _bind(state, layer, _layer_forward(fp8))
+    _bind(state, base.norm, _norm_forward)
+    setattr(base, _STATE, state)
+    _drop_compiled(model)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undoes `patch(model)`: every module gets its class's forward back. Returns `model`.
+
+    ValueError if `model` was not patched; RuntimeError if it was patched with FP8 weights
+    (their 16-bit values are gone: load the model again instead).
+    """
+    _, base = _recognise(model, "fusetune.unpatch")
+    state: PatchState | None = getattr(base, _STATE, None)
+    if state is None:
+        raise ValueError(f"fusetune.unpatch: this {type(model).__name__} was not patched by "
+                         "fusetune.patch; there is nothing to restore")
+    if state.weights:
+        raise RuntimeError(
+            f"fusetune.unpatch: this {type(model).__name__} was patched with "
+            f"weights={state.weights!r}: its projections hold FP8 values and the 16-bit weights "
+            "were freed, so they cannot be restored exactly; load the model again instead")
+    changed = [type(m).__name__ for m, fwd in state.forwards
+               if m.__dict__.get("forward") is not fwd]
+    if changed:
+        raise RuntimeError(f"fusetune.unpatch: the forward of {', '.join(sorted(set(changed)))} "
+                           "was replaced again after fusetune.patch; remove that replacement "
+                           "first (unpatch would drop it)")
+    for module, _ in state.forwards:
+        del module.forward
+    delattr(base, _STATE)
+    _drop_compiled(model)
+    return model
+
+
+# --- recognising and checking a model ------------------------------------------------------------
+
+
+def _recognise(model: nn.Module, who: str) -> tuple[Family, nn.Module]:
+    """The model's family and its base model (the module holding `layers` and `norm`)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"{who} needs transformers: pip install 'fusetune[hf]'") from e
+    for family in FAMILIES:
+        if isinstance(model, family.cls("ForCausalLM")):
+            return family, model.model
+        if isinstance(model, family.cls("Model")):
+            return family, model
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    raise ValueError(
+        f"{who}: {type(model).__name__} (model_type {model_type!r}) is not supported; "
+        "supported: " + "; ".join(f"{f.name} ({f.classes})" for f in FAMILIES))
+
+
+def _check(family: Family, base: nn.Module) -> None:
+    """Every assumption the replacement forwards make, checked against the model itself; a
+    ValueError naming what differs. Changes nothing."""
+    config = base.config
+    where = f"fusetune.patch ({family.name})"
+    act = getattr(config, "hidden_act", None)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{where}: hidden_act={act!r}; the fused ffn computes silu(gate)·up, "
+                         f"so hidden_act must be one of {ACTIVATIONS}")
+    rotary = base.rotary_emb
+    rope_type = getattr(rotary, "rope_type", None)
+    if rope_type not in family.rope_types:
+        raise ValueError(f"{where}: rope type {rope_type!r} is not one {family.name} models use; "
+                         f"supported: {', '.join(family.rope_types)}")
+    layer_cls = family.cls("DecoderLayer")
+    layers = list(base.layers)
+    if not layers:
+        raise ValueError(f"{where}: the model has no decoder layers")
+    for i, layer in enumerate(layers):
+        at = f"{where}: layer {i}"
+        if not isinstance(layer, layer_cls):
+            raise ValueError(f"{at} is a {type(layer).__name__}, expected {layer_cls.__name__}")
+        _check_layer(family, layer, at, rotary)
+    _check_norm(base.norm, f"{where}: the final norm")
+    modules = [base.norm, *layers, *(layer.self_attn for layer in layers)]
+    owned = [type(m).__name__ for m in modules if "forward" in m.__dict__]
+    if owned:
+        raise ValueError(f"{where}: {', '.join(sorted(set(owned)))} already has its own forward "
+                         "on the instance (hooks of another library, or another patch); "
+                         "fusetune.patch would replace it")
+    _check_tensors(where, base, [(f"layer {i}", layer) for i, layer in enumerate(layers)])
+
+
+def _check_layer(family: Family, layer: nn.Module, at: str, rotary: nn.Module) -> None:
+    config = layer.self_attn.config
+    attn, mlp = layer.self_attn, layer.mlp
+    head_dim = attn.head_dim
+    n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"{at}: head_dim={head_dim!r}; RoPE needs a positive even head_dim")
+    want = {"q_proj": n_heads * head_dim, "k_proj": n_kv * head_dim, "v_proj": n_kv * head_dim}
+    for name, out in want.items():
+        lin = getattr(attn, name)
+        if lin.out_features != out or lin.in_features != config.hidden_size:
+            raise ValueError(f"{at}: {name} is {lin.out_features}×{lin.in_features}, expected "
+                             f"{out}×{config.hidden_size} (heads {n_heads}/{n_kv}, head_dim "
+                             f"{head_dim}, hidden_size {config.hidden_size})")
+    rotary_dim = 2 * rotary.inv_freq.numel()
+    if rotary_dim != head_dim:
+        raise ValueError(f"{at}: the rotary embedding covers {rotary_dim} of head_dim {head_dim}; "
+                         "the fused qkv rotates the whole head")
+    for name in ("q_proj", "k_proj", "v_proj"):
+        if (getattr(attn, name).bias is not None) != family.qkv_bias:
+            has = "has" if family.qkv_bias is False else "lacks"
+            raise ValueError(f"{at}: {name} {has} a bias; {family.name} q/k/v projections are "
+                             f"{'with' if family.qkv_bias else 'without'} bias "
+                             "(attention_bias is not supported)")
+    biased = [n for n, lin in (("o_proj", attn.o_proj), ("gate_proj", mlp.gate_proj),
+                               ("up_proj", mlp.up_proj), ("down_proj", mlp.down_proj))
+              if lin.bias is not None]
+    if biased:
+        raise ValueError(f"{at}: {', '.join(biased)} with bias (attention_bias / mlp_bias); "
+                         "supported: o_proj and the MLP projections without bias")
+    _check_norm(layer.input_layernorm, f"{at}: input_layernorm")
+    _check_norm(layer.post_attention_layernorm, f"{at}: post_attention_layernorm")
+
+
+def _check_norm(norm: nn.Module, at: str) -> None:
+    eps = getattr(norm, "variance_epsilon", None)
+    if isinstance(eps, bool) or not isinstance(eps, float | int) or not eps > 0:
+        raise ValueError(f"{at}: eps {eps!r} (from the config's rms_norm_eps) must be a positive "
+                         "number")
+
+
+def _check_tensors(where: str, base: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
+    """One dtype among float16/bfloat16/float32 for every patched weight, and one device per
+    layer: CUDA, or the CPU under Triton's interpreter (as the kernels require)."""
+    from fusetune.kernels._spec import interpreting
+
+    dtypes = {p.dtype for _, m in [*layers, ("norm", base.norm)] for p in m.parameters()}
+    if len(dtypes) != 1 or str(next(iter(dtypes))).removeprefix("torch.") not in DTYPES:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise ValueError(f"{where}: weights in {names}; the fused ops take one dtype of "
+                         f"{', '.join(DTYPES)} for all of a model's layers")
+    for name, module in [*layers, ("the final norm", base.norm)]:
+        devices = {p.device for p in module.parameters()}
+        if len(devices) != 1:
+            raise ValueError(f"{where}: {name} has weights on {sorted(map(str, devices))}; one "
+                             "device per layer")
+        device = next(iter(devices))
+        if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+            raise ValueError(
+                f"{where}: {name} is on {device}; fusetune's kernels run on CUDA tensors (or on "
+                "CPU tensors through Triton's interpreter: set TRITON_INTERPRET=1 before "
+                "importing fusetune)")
+
+
+# --- changing the model --------------------------------------------------------------------------
+
+
+def _bind(state: PatchState, module: nn.Module, fn: Callable[..., Any]) -> None:
+    bound = types.MethodType(fn, module)
+    module.forward = bound
+    state.forwards.append((module, bound))
+
+
+def _drop_compiled(model: nn.Module) -> None:
+    # generate() keeps its torch.compile'd __call__ on the model; one traced through the other
+    # forwards must not be reused
+    model.__dict__.pop("_compiled_call", None)
+
+
+@torch.no_grad()
+def _quantize(base: nn.Module, fmt: str) -> None:
+    """Every projection's weight -> buffers `weight` (FP8) and `weight_scale` (float32 [out]),
+    one projection at a time so that the extra memory is one projection's."""
+    from fusetune.kernels.fp8 import quantize_fp8
+
+    before = after = count = 0
+    total = len(base.layers) * len(PROJECTIONS)
+    for i, layer in enumerate(base.layers):
+        for parent, name in PROJECTIONS:
+            lin = getattr(getattr(layer, parent), name)
+            w = lin.weight
+            try:
+                wq, scale = quantize_fp8(w, fmt)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise RuntimeError(
+                    f"fusetune.patch: quantizing layer {i}'s {parent}.{name} to fp8-{fmt} "
+                    f"failed ({e}); {count} of {total} projections were converted already, so "
+                    "the model is neither patched nor as it was: load it again") from e
+            before += w.numel() * w.element_size()
+            after += wq.numel() * wq.element_size() + scale.numel() * scale.element_size()
+            del lin.weight, w  # the Parameter: nothing else holds the 16-bit tensor now
+            lin.register_buffer("weight", wq)
+            lin.register_buffer("weight_scale", scale)
+            count += 1
+    print(f"fusetune.patch: {count} projection weights as fp8-{fmt}: {before / 2**20:.1f} MiB "
+          f"-> {after / 2**20:.1f} MiB (FP8 values and one float32 scale per output channel)")
+
+
+# --- the replacement forwards --------------------------------------------------------------------
+
+
+def _refuse_grad(module: nn.Module, x: torch.Tensor, extra: Iterable[torch.Tensor] = ()) -> None:
+    """RuntimeError where autograd would need a backward the fused ops do not have yet."""
+    if torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for p in module.parameters())
+            or any(t.requires_grad for t in extra)):
+        raise RuntimeError(
+            f"fusetune: the patched {type(module).__name__} has no backward pass yet, and "
+            "gradients are enabled with an input or parameter that requires grad; run it under "
+            "torch.no_grad() or torch.inference_mode() (generate() does), or call "
+            "model.requires_grad_(False); fusetune.unpatch(model) restores the trainable model")
+
+
+def _scale(lin: nn.Module, fp8: bool) -> torch.Tensor | None:
+    return lin.weight_scale if fp8 else None
+
+
+def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], int | None] | None,
+                       eager: Callable[..., Any], fp8: bool) -> Callable[..., Any]:
+    """The attention module's forward (signature of transformers 5.17's LlamaAttention.forward),
+    with the layer's input norm folded in and the residual add after o_proj."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None, past_key_values: Any = None,
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from fusetune import ops
+
+        _refuse_grad(self, hidden_states, (norm.weight,))
+        input_shape = hidden_states.shape[:-1]
+        head_shape = (*input_shape, -1, self.head_dim)
+        cos, sin = position_embeddings
+        q_proj, k_proj, v_proj = self.q_proj, self.k_proj, self.v_proj
+        q, k, v = ops.qkv(hidden_states, norm.weight, q_proj.weight, k_proj.weight,
+                          v_proj.weight, cos, sin, norm.variance_epsilon, self.head_dim,
+                          bq=q_proj.bias, bk=k_proj.bias, bv=v_proj.bias,
+                          wq_scale=_scale(q_proj, fp8), wk_scale=_scale(k_proj, fp8),
+                          wv_scale=_scale(v_proj, fp8))
+        query_states = q.view(head_shape).transpose(1, 2)
+        key_states = k.view(head_shape).transpose(1, 2)
+        value_states = v.view(head_shape).transpose(1, 2)
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states,
+                                                              self.layer_idx)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager)
+        if sliding_window is not None:
+            kwargs = {"sliding_window": sliding_window(self), **kwargs}
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        o_proj = self.o_proj
+        out = ops.linear(attn_output, o_proj.weight, residual=hidden_states,
+                         weight_scale=_scale(o_proj, fp8))
+        return out, attn_weights
+
+    return forward
+
+
+def _layer_forward(fp8: bool) -> Callable[..., Any]:
+    """The decoder layer's forward (signature and return convention of transformers 5.17's
+    LlamaDecoderLayer.forward: the new hidden states alone)."""
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor,
+                attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                use_cache: bool | None = False,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        from fusetune import ops
+
+        _refuse_grad(self, hidden_states)
+        # the patched attention returns the layer input + the attention block's output
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask,
+            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+            position_embeddings=position_embeddings, **kwargs)
+        norm, mlp = self.post_attention_layernorm, self.mlp
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        h = ops.ffn(hidden_states, norm.weight, gate.weight, up.weight, norm.variance_epsilon,
+                    gate_scale=_scale(gate, fp8), up_scale=_scale(up, fp8))
+        return ops.linear(h, down.weight, residual=hidden_states,
+                          weight_scale=_scale(down, fp8))
+
+    return forward
+
+
+def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    from fusetune import ops
+
+    _refuse_grad(self, hidden_states)
+    return ops.rmsnorm(hidden_states, self.weight, self.variance_epsilon)

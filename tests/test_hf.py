@@ -1,0 +1,393 @@
+"""fusetune.patch / unpatch on tiny random transformers models (float32, CPU).
+
+The wiring tests replace fusetune.ops by the plain torch formulas below (the ops' contract,
+written independently of the kernels), so that they check only how the patched forwards call
+the ops; the same checks then run with the real ops (the Triton kernels, through the
+interpreter here) at a looser tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+import types
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fusetune  # noqa: E402
+from fusetune.kernels.fp8 import quantize_fp8  # noqa: E402
+
+HAS_OPS = importlib.util.find_spec("fusetune.ops") is not None
+needs_ops = pytest.mark.skipif(not HAS_OPS, reason="fusetune/ops.py (the fused custom ops that "
+                               "fusetune.patch calls) does not exist yet")
+
+
+# --- the ops' contract in plain torch ----------------------------------------------------------
+
+
+def ref_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def _matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    wf = w.float() if scale is None else w.float() * scale[:, None]
+    return x.float() @ wf.T
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """HF's rotate_half RoPE on [B, S, H·head_dim], cos/sin [B or 1, S, head_dim]."""
+    t = t.unflatten(-1, (-1, head_dim))
+    a, b = t.chunk(2, dim=-1)
+    c, s = cos.float()[:, :, None], sin.float()[:, :, None]
+    return (t * c + torch.cat((-b, a), dim=-1) * s).flatten(-2)
+
+
+def ref_qkv(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, bq=None, bk=None, bv=None,
+            wq_scale=None, wk_scale=None, wv_scale=None):
+    n = ref_rmsnorm(x.float(), rms_weight, eps)
+    q, k, v = (_matmul(n, w, s) + (0 if b is None else b.float())
+               for w, b, s in ((wq, bq, wq_scale), (wk, bk, wk_scale), (wv, bv, wv_scale)))
+    return (_rope(q, cos, sin, head_dim).to(x.dtype), _rope(k, cos, sin, head_dim).to(x.dtype),
+            v.to(x.dtype))
+
+
+def ref_ffn(x, rms_weight, w_gate, w_up, eps, gate_scale=None, up_scale=None):
+    n = ref_rmsnorm(x.float(), rms_weight, eps)
+    return (torch.nn.functional.silu(_matmul(n, w_gate, gate_scale))
+            * _matmul(n, w_up, up_scale)).to(x.dtype)
+
+
+def ref_linear(x, weight, bias=None, residual=None, weight_scale=None):
+    y = _matmul(x, weight, weight_scale)
+    for t in (bias, residual):
+        if t is not None:
+            y = y + t.float()
+    return y.to(x.dtype)
+
+
+REFERENCES = {"rmsnorm": ref_rmsnorm, "qkv": ref_qkv, "ffn": ref_ffn, "linear": ref_linear}
+
+
+@pytest.fixture
+def ref_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """fusetune.ops' functions replaced by the references; yields how often each was called."""
+    calls = dict.fromkeys(REFERENCES, 0)
+
+    def counted(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    if HAS_OPS:
+        module = importlib.import_module("fusetune.ops")
+    else:
+        module = types.ModuleType("fusetune.ops")
+        monkeypatch.setitem(sys.modules, "fusetune.ops", module)
+        # as an import of the real module would: torch.compile resolves `from fusetune import
+        # ops` as an attribute of the package
+        monkeypatch.setattr(fusetune, "ops", module, raising=False)
+    for name, fn in REFERENCES.items():
+        monkeypatch.setattr(module, name, counted(name, fn), raising=False)
+    yield calls
+
+
+# --- tiny models -------------------------------------------------------------------------------
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=2, vocab_size=128, max_position_embeddings=64, pad_token_id=0,
+             bos_token_id=1, eos_token_id=None)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8,
+               "rope_theta": 500000.0}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+             "rope_theta": 10000.0}
+CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL, head_dim=16),
+    "llama3-rope": lambda: transformers.LlamaConfig(**SMALL, head_dim=16,
+                                                    rope_parameters=LLAMA3_ROPE),
+    # a window shorter than prompt + new tokens, so that the sliding mask matters
+    "mistral": lambda: transformers.MistralConfig(**SMALL, head_dim=16, sliding_window=6),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL),  # q/k/v with bias
+    # YaRN scales cos and sin (attention_scaling != 1), which the fused qkv takes as they are
+    "qwen2-yarn": lambda: transformers.Qwen2Config(**SMALL, rope_parameters=YARN_ROPE),
+}
+
+
+def tiny(kind: str, **overrides) -> transformers.PreTrainedModel:
+    """A float32 model of `kind` with random weights everywhere: norm weights around 1 and
+    biases non-zero (transformers initialises them to 1 and 0, which would hide wiring bugs)."""
+    config = CONFIGS[kind]()
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    return model
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two left-padded prompts, of 7 and 4 tokens."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, 7), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).logits
+    return out[mask.bool()]  # the padding positions' logits mean nothing
+
+
+def greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **kw) -> torch.Tensor:
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         **kw)
+    return out[:, ids.shape[1]:]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def snapshot(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Callable]]:
+    """The state dict (copied) and the forward function of every module."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return state, {n: m.forward.__func__ for n, m in model.named_modules()}
+
+
+def assert_restored(model: torch.nn.Module, before: tuple[dict, dict]) -> None:
+    state, forwards = before
+    now = model.state_dict()
+    assert now.keys() == state.keys()
+    assert all(torch.equal(now[k], v) and now[k].dtype == v.dtype for k, v in state.items())
+    for name, module in model.named_modules():
+        assert "forward" not in module.__dict__, name
+        assert module.forward.__func__ is forwards[name] is type(module).forward, name
+
+
+# --- (a) the wiring, with the reference ops ----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
+    model = tiny(kind)
+    ids, mask = prompts()
+    before = snapshot(model)
+    want_logits, want_tokens = logits(model, ids, mask), greedy(model, ids, mask)
+
+    assert fusetune.patch(model) is model
+    got = logits(model, ids, mask)
+    n_layers = model.config.num_hidden_layers
+    assert ref_ops == {"qkv": n_layers, "ffn": n_layers, "linear": 2 * n_layers, "rmsnorm": 1}
+    assert rel_err(got, want_logits) <= 1e-5
+    assert torch.equal(greedy(model, ids, mask), want_tokens)
+
+    assert fusetune.unpatch(model) is model
+    assert_restored(model, before)
+    assert torch.equal(logits(model, ids, mask), want_logits)
+
+
+def test_static_cache_generate(ref_ops: dict[str, int]) -> None:
+    model = tiny("qwen2")
+    ids, mask = prompts()
+    want = greedy(model, ids, mask)
+    fusetune.patch(model)
+    assert torch.equal(greedy(model, ids, mask, cache_implementation="static"), want)
+
+
+@pytest.mark.slow
+def test_compiled_static_cache_generate(ref_ops: dict[str, int]) -> None:
+    """generate(cache_implementation="static") compiles the forward where the device allows
+    it; forced here on the CPU, with fullgraph=True so that any graph break fails."""
+    model = tiny("llama3-rope")
+    ids, mask = prompts()
+    want = greedy(model, ids, mask)
+    fusetune.patch(model)
+    config = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    got = greedy(model, ids, mask, cache_implementation="static", compile_config=config)
+    assert torch.equal(got, want)
+    assert "_compiled_call" in model.__dict__  # the compiled path did run
+
+
+def test_output_attentions_still_reported(ref_ops: dict[str, int]) -> None:
+    model = tiny("llama", _attn_implementation="eager")
+    ids, mask = prompts()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+        fusetune.patch(model)
+        got = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(got) == len(want) == model.config.num_hidden_layers
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g, w) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_weights(fmt: str, ref_ops: dict[str, int], capsys: pytest.CaptureFixture) -> None:
+    """FP8 projections match the model whose weights are the dequantized FP8 values."""
+    model = tiny("qwen2")
+    dequantized = copy.deepcopy(model)
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    with torch.no_grad():
+        for name, module in dequantized.named_modules():
+            if name.rsplit(".", 1)[-1] in projections:
+                wq, scale = quantize_fp8(module.weight, fmt)
+                module.weight.copy_(wq.float() * scale[:, None])
+    ids, mask = prompts()
+    fusetune.patch(model, weights=f"fp8-{fmt}")
+
+    line = capsys.readouterr().out
+    assert f"14 projection weights as fp8-{fmt}" in line and "MiB ->" in line
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.dtype == getattr(torch, {"e4m3": "float8_e4m3fn",
+                                                  "e5m2": "float8_e5m2"}[fmt])
+    assert q_proj.weight_scale.shape == (q_proj.out_features,)
+    assert "weight" not in dict(q_proj.named_parameters())  # the 16-bit parameter is gone
+    assert rel_err(logits(model, ids, mask), logits(dequantized, ids, mask)) <= 1e-5
+    with pytest.raises(RuntimeError, match="cannot be restored exactly; load the model again"):
+        fusetune.unpatch(model)
+
+
+# --- (b) the real ops --------------------------------------------------------------------------
+
+
+@needs_ops
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_real_ops_match_the_model(kind: str) -> None:
+    model = tiny(kind)
+    ids, mask = prompts()
+    want_logits, want_tokens = logits(model, ids, mask), greedy(model, ids, mask)
+    fusetune.patch(model)
+    assert rel_err(logits(model, ids, mask), want_logits) <= 1e-4
+    assert torch.equal(greedy(model, ids, mask), want_tokens)
+    fusetune.unpatch(model)
+    assert torch.equal(logits(model, ids, mask), want_logits)
+
+
+@needs_ops
+@pytest.mark.slow
+def test_real_ops_fp8_weights() -> None:
+    model = tiny("llama")
+    ids, mask = prompts()
+    want = logits(model, ids, mask)
+    fusetune.patch(model, weights="fp8-e4m3")
+    # e4m3 keeps 3 mantissa bits: a few percent, measured against the 16-bit model
+    assert rel_err(logits(model, ids, mask), want) <= 0.1
+
+
+# --- (c) what patch refuses --------------------------------------------------------------------
+
+
+def assert_untouched(model: torch.nn.Module, before: tuple[dict, dict]) -> None:
+    assert_restored(model, before)
+    assert "_fusetune_patch" not in getattr(model, "model", model).__dict__
+
+
+def test_unsupported_model_type(ref_ops: dict[str, int]) -> None:
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel \(model_type 'gpt2'\) is not "
+                                         r"supported; supported: llama .*mistral.*qwen2"):
+        fusetune.patch(model)
+    assert_untouched(model, before)
+
+
+@pytest.mark.parametrize(("kind", "overrides", "message"), [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("llama", {"attention_bias": True}, "q_proj has a bias"),
+    ("llama", {"mlp_bias": True}, "gate_proj, up_proj, down_proj with bias"),
+    ("mistral", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                     "rope_theta": 10000.0}},
+     "rope type 'linear' is not one mistral models use; supported: default"),
+])
+def test_unsupported_layer(kind: str, overrides: dict, message: str,
+                           ref_ops: dict[str, int]) -> None:
+    config = CONFIGS[kind]()
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        fusetune.patch(model)
+    assert_untouched(model, before)
+
+
+def test_unsupported_dtype_and_device(ref_ops: dict[str, int],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny("llama").double()
+    with pytest.raises(ValueError, match=r"weights in float64; .*float16, bfloat16, float32"):
+        fusetune.patch(model)
+    model = tiny("llama")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"is on cpu; .*TRITON_INTERPRET=1"):
+        fusetune.patch(model)
+    assert_untouched(model, before)
+
+
+def test_bad_weights_value(ref_ops: dict[str, int]) -> None:
+    model = tiny("llama")
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"weights='fp8'; valid: None .*'fp8-e4m3', 'fp8-e5m2'"):
+        fusetune.patch(model, weights="fp8")
+    assert_untouched(model, before)
+
+
+def test_gradients_refused(ref_ops: dict[str, int]) -> None:
+    model = fusetune.patch(tiny("llama"))
+    ids, mask = prompts()
+    with pytest.raises(RuntimeError, match=r"has no backward pass yet.*torch.no_grad"):
+        model(input_ids=ids, attention_mask=mask)
+    model.requires_grad_(False)
+    model(input_ids=ids, attention_mask=mask)  # nothing requires grad: fine
+    embeds = model.get_input_embeddings()(ids).requires_grad_(True)
+    with pytest.raises(RuntimeError, match="has no backward pass yet"):
+        model(inputs_embeds=embeds, attention_mask=mask)
+    with torch.inference_mode():
+        model(inputs_embeds=embeds.detach(), attention_mask=mask)
+
+
+def test_unpatch_unpatched_and_double_patch(ref_ops: dict[str, int]) -> None:
+    model = tiny("mistral")
+    with pytest.raises(ValueError, match=r"was not patched by fusetune.patch"):
+        fusetune.unpatch(model)
+    fusetune.patch(model)
+    with pytest.raises(ValueError, match=r"patched already \(weights=None\); fusetune.unpatch"):
+        fusetune.patch(model)
+    with pytest.raises(ValueError, match="patched already"):
+        fusetune.patch(model.model)  # the same layers, reached through the base model
+    fusetune.unpatch(model)
+    with pytest.raises(ValueError, match="was not patched"):
+        fusetune.unpatch(model)
+
+
+def test_failed_quantization_says_the_model_is_lost(ref_ops: dict[str, int]) -> None:
+    model = tiny("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match=r"layer 1's mlp.up_proj .*non-finite.*12 of 14 "
+                                           r"projections were converted already.*load it again"):
+        fusetune.patch(model, weights="fp8-e5m2")
+
+
+def test_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    with pytest.raises(ImportError, match=r"pip install 'fusetune\[hf\]'"):
+        fusetune.patch(torch.nn.Linear(2, 2))
