@@ -223,11 +223,12 @@ def _shown(db: str) -> str:
 
 
 def _store(db: str) -> Any:
-    """fusetune's tables in `db`, or a one-line error naming the database."""
+    """fusetune's tables in the existing database `db` (what show and export read), or a
+    one-line error naming the database."""
     from fusetune.db.store import Store
 
     try:
-        return Store(db)
+        return Store(db, create=False)
     except Exception as e:
         raise click.ClickException(f"cannot open database {_shown(db)!r}: {e}") from None
 
@@ -615,6 +616,17 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
     return rows
 
 
+def _gpu_filter(name: str | None, store: Any) -> str | None:
+    """The GPU of --gpu as the database names it: a catalogue GPU by its canonical name, a GPU
+    outside the catalogue by its device name's slug (what a search on it stored)."""
+    from fusetune.tables import canonical_gpu
+
+    try:
+        return canonical_gpu(name, store.gpus()) if name else None
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command()
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--gpu", "gpu_name", default=None, help="Only this GPU (name or alias).")
@@ -627,33 +639,55 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
                    "batch, seq) and keep its other entries, instead of writing a new table.")
 def export(path: str, gpu_name: str | None, kernel: str | None, db: str, update: bool) -> None:
     """Write the winners in the database to the lookup table PATH (YAML)."""
-    from fusetune import gpus as g
-    from fusetune.export import build_tables, update_tables, write_tables
+    from fusetune.export import build_tables, update_tables
     from fusetune.tables import TableError
 
-    try:
-        gpu = g.resolve(gpu_name).name if gpu_name else None
-    except g.UnknownGpuError as e:
-        raise click.ClickException(str(e)) from None
     if update and not Path(path).is_file():
         raise click.ClickException(f"--update: {path} does not exist (leave out --update to "
                                    "write a new table)")
-    doc = build_tables(_store(db), gpu=gpu, kernel=kernel)
+    store = _store(db)
+    gpu = _gpu_filter(gpu_name, store)
+    doc = build_tables(store, gpu=gpu, kernel=kernel)
     if not doc["gpus"]:
         raise click.ClickException(
             f"no winners in {_shown(db)}" + (f" for gpu={gpu}" if gpu else "")
             + (f" kernel={kernel}" if kernel else "") + ": run `fusetune search` first")
     if not update:
-        n = write_tables(doc, path)
+        n = _write(doc, path)
         console.print(f"wrote {n} entries for {', '.join(doc['gpus'])} to {path}")
         return
     try:
         doc, done = update_tables(Path(path).read_text(), path, doc)
     except TableError as e:
         raise click.ClickException(f"--update: {e}") from None
-    n = write_tables(doc, path)
+    except OSError as e:
+        raise click.ClickException(f"--update: cannot read {path}: {_os_error(e)}") from None
+    n = _write(doc, path)
     console.print(f"updated {path}: {done.replaced} entries replaced, {done.added} added, "
                   f"{done.kept} kept ({n} in all)")
+
+
+def _os_error(e: OSError) -> str:
+    """Why writing or reading a file failed: the directory at fault, else the system's words."""
+    folder = str(Path(e.filename).parent) if e.filename else None
+    if isinstance(e, FileNotFoundError) and folder:
+        return f"directory {folder!r} does not exist"
+    if isinstance(e, NotADirectoryError) and folder:
+        return f"{folder!r} is not a directory"
+    return e.strerror or str(e)
+
+
+def _write(doc: dict[str, Any], path: str) -> int:
+    """write_tables, or a one-line error naming the file and why it cannot be written."""
+    from fusetune.export import write_tables
+    from fusetune.tables import TableError
+
+    try:
+        return write_tables(doc, path)
+    except OSError as e:
+        raise click.ClickException(f"cannot write {path}: {_os_error(e)}") from None
+    except TableError as e:  # a table the runtime would refuse is not written
+        raise click.ClickException(f"not writing {path}: {e}") from None
 
 
 @main.command()
@@ -669,17 +703,12 @@ def export(path: str, gpu_name: str | None, kernel: str | None, db: str, update:
 def show(db: str, gpu_name: str | None, kernel: str | None, point_id: int | None,
          top: int) -> None:
     """Print what the database holds: points, results by status, winners."""
-    from fusetune import gpus as g
-
     if point_id is not None:
         _show_point(_store(db), point_id, top)
         return
 
-    try:
-        gpu = g.resolve(gpu_name).name if gpu_name else None
-    except g.UnknownGpuError as e:
-        raise click.ClickException(str(e)) from None
     store = _store(db)
+    gpu = _gpu_filter(gpu_name, store)
     winners = {p.id: w for p, w in store.winners(gpu=gpu, kernel=kernel)}
     cols = ("id", "gpu", "kernel", "dims", "b", "s", "dtype", "weights", "backend", "triton",
             "results", "winner", "µs", "default µs", "speedup")

@@ -15,21 +15,31 @@ from fusetune.tuner.search import BACKEND_CHOICES, DEFAULT_GRID
 DEFAULT_DB = "sqlite:///fusetune.db"
 
 
+def _items(param: click.Parameter, value: str, expected: str) -> list[str]:
+    """The comma-separated items of `value`; an empty one ("1,,2", "1,2,") is refused, as it is
+    a value left out rather than a separator to skip."""
+    items = [v.strip() for v in value.split(",")]
+    if "" in items:
+        raise click.BadParameter(f"{value!r}: empty item; expected {expected}", param=param)
+    return items
+
+
 def int_list(_ctx: Any, param: click.Parameter, value: str | None) -> list[int] | None:
     if value is None:
         return None
+    items = _items(param, value, "comma-separated integers, e.g. 1,16,64")
     try:
-        out = [int(v) for v in value.split(",") if v.strip()]
+        out = [int(v) for v in items]
     except ValueError:
         raise click.BadParameter(f"{value!r}: expected comma-separated integers, e.g. 1,16,64",
                                  param=param) from None
-    if not out or any(v < 1 for v in out):
+    if any(v < 1 for v in out):
         raise click.BadParameter(f"{value!r}: expected positive integers", param=param)
     return out
 
 
-def str_list(_ctx: Any, _param: click.Parameter, value: str | None) -> list[str] | None:
-    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+def str_list(_ctx: Any, param: click.Parameter, value: str | None) -> list[str] | None:
+    return None if value is None else _items(param, value, "comma-separated names")
 
 
 def dims_map(_ctx: Any, param: click.Parameter, value: str | None) -> dict[str, int] | None:
@@ -41,8 +51,8 @@ def dims_map(_ctx: Any, param: click.Parameter, value: str | None) -> dict[str, 
         try:
             out[name.strip()] = int(num)
         except ValueError:
-            raise click.BadParameter(f"{part!r}: expected name=integer, e.g. dim=4096",
-                                     param=param) from None
+            raise click.BadParameter(f"{value!r}: {part!r} is not name=integer; expected "
+                                     "e.g. dim=4096,hidden=11008", param=param) from None
     return out
 
 

@@ -12,6 +12,8 @@ import yaml
 
 from fusetune import __version__
 from fusetune.db.store import Store
+from fusetune.gpus import UnknownGpuError, resolve
+from fusetune.runtime import UNCATALOGUED_FIELD
 from fusetune.tables import SCHEMA_VERSION, canonical_gpu, parse_tables
 
 
@@ -49,15 +51,29 @@ def _document(gpus: dict[str, dict[str, list[dict[str, Any]]]],
     for kernels in gpus.values():
         for entries in kernels.values():
             entries.sort(key=_entry_order)
+    provenance: dict[str, Any] = {
+        "generator": f"fusetune {__version__}",
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": [{"triton": t, "torch": v} for t, v in sorted(versions)],
+    }
+    # GPUs outside the catalogue, by the name a search on them stored: listed, so that the
+    # loader takes them for GPUs and not for typos whatever their device names look like.
+    uncatalogued = sorted(g for g in gpus if not _catalogued(g))
+    if uncatalogued:
+        provenance[UNCATALOGUED_FIELD] = uncatalogued
     return {
         "schema_version": SCHEMA_VERSION,
-        "provenance": {
-            "generator": f"fusetune {__version__}",
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "versions": [{"triton": t, "torch": v} for t, v in sorted(versions)],
-        },
+        "provenance": provenance,
         "gpus": {g: dict(sorted(k.items())) for g, k in sorted(gpus.items())},
     }
+
+
+def _catalogued(gpu: str) -> bool:
+    try:
+        resolve(gpu)
+    except UnknownGpuError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -84,8 +100,9 @@ def update_tables(old_text: str, source: str, new: dict[str, Any]
     gpus: dict[str, dict[str, list[dict[str, Any]]]] = {}
     index: dict[tuple[Any, ...], int] = {}
     kept = 0
+    uncatalogued = old["provenance"].get(UNCATALOGUED_FIELD) or []
     for gpu_key, kernels in old["gpus"].items():
-        gpu = canonical_gpu(gpu_key)
+        gpu = canonical_gpu(gpu_key, uncatalogued)
         for kernel, entries in kernels.items():
             for e in entries:
                 dst = gpus.setdefault(gpu, {}).setdefault(kernel, [])
@@ -114,11 +131,16 @@ def _identity(gpu: str, kernel: str, e: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def write_tables(doc: dict[str, Any], path: str | Path) -> int:
-    """Writes `doc` atomically after checking it parses back; returns the number of entries."""
+    """Writes `doc` atomically after checking it parses back; returns the number of entries.
+    OSError where the file cannot be written (a missing or read-only directory)."""
     text = yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=100)
     n = len(parse_tables(text, str(path)))  # never write a file the runtime would reject
     p = Path(path)
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(p)
+    try:
+        tmp.write_text(text)
+        tmp.replace(p)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a failed write leaves neither a partial file nor this
+        raise
     return n

@@ -21,9 +21,12 @@ This is the runtime path: it never imports optuna or sqlalchemy.
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import sys
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -155,15 +158,38 @@ def _checked(entry: RawEntry, spec: KernelSpec) -> tuple[GroupKey, int, Config]:
         raise TableError(f"{entry.source}: {e}") from None
 
 
-def canonical_gpu(name: Any) -> str:
-    """A catalogue GPU's canonical name for any of its names ("h100" -> "h100-sxm"); other
-    names (GPUs outside the catalogue, keyed by their device-name slug) stay as written."""
+# The name of a GPU outside the catalogue is the slug of its CUDA device name
+# (gpus.spec_from_device): that is what a search on it stores, `fusetune export` writes and the
+# runtime looks up there. The driver's names begin with the vendor or the product line ("NVIDIA
+# L40S" -> nvidia-l40s, "Tesla T4" -> tesla-t4, "AMD Instinct MI300X" under ROCm), or the slug
+# is cuda-<index> for a device without a name. Any other name is taken for a typo ("rtx9999",
+# "h100x"), whose entries would match no device, unless the table lists it in its provenance
+# (UNCATALOGUED_FIELD), as export does for every GPU outside the catalogue it writes.
+UNCATALOGUED_GPU = re.compile(
+    r"(nvidia|tesla|quadro|geforce|titan|grid|amd|radeon)(-[a-z0-9]+)+|cuda-\d+")
+UNCATALOGUED_FIELD = "uncatalogued_gpus"
+
+
+def canonical_gpu(name: Any, uncatalogued: Collection[str] = ()) -> str:
+    """The name tables key a GPU by: a catalogue GPU's canonical name for any of its names
+    ("h100" -> "h100-sxm", "NVIDIA H100 80GB HBM3" -> "h100-sxm"); a GPU outside the catalogue
+    by the slug of its device name ("NVIDIA L40S" -> "nvidia-l40s"), if it begins as a device
+    name does (UNCATALOGUED_GPU) or is among `uncatalogued` (names a table lists as GPUs
+    outside the catalogue). UnknownGpuError (a ValueError) for any other name, with the
+    catalogue's names and aliases."""
     from fusetune import gpus
 
+    text = str(name)
     try:
-        return gpus.resolve(str(name)).name
-    except gpus.UnknownGpuError:
-        return str(name)
+        return gpus.resolve(text).name
+    except gpus.UnknownGpuError as e:
+        slug = gpus._slugify(text)  # the one slug rule: the runtime's name for such a device
+        if UNCATALOGUED_GPU.fullmatch(slug) or slug in {gpus._slugify(u) for u in uncatalogued}:
+            return slug
+        raise gpus.UnknownGpuError(
+            f"{e}; or a GPU outside the catalogue by its CUDA device name or that name's slug, "
+            f"as `fusetune export` writes it (nvidia-l40s, tesla-t4; any other name listed in "
+            f"provenance.{UNCATALOGUED_FIELD})") from None
 
 
 def parse_tables(text: str, source: str, specs: Mapping[str, KernelSpec] | None) -> Tables:
@@ -171,7 +197,9 @@ def parse_tables(text: str, source: str, specs: Mapping[str, KernelSpec] | None)
 
     `specs` (kernel name -> spec): every entry is checked now against its kernel's spec, and a
     kernel outside `specs` is an error. None: each kernel's entries are checked when it is
-    first looked up (Tables.check). Either way TableError names the bad entry."""
+    first looked up (Tables.check). Either way TableError names the bad entry. The GPU keys
+    are checked now, whatever `specs`: a name canonical_gpu refuses is an error, as its
+    entries would never be used."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:  # includes tags that try to build Python objects
@@ -187,12 +215,19 @@ def parse_tables(text: str, source: str, specs: Mapping[str, KernelSpec] | None)
                          f"(this fusetune reads {SCHEMA_VERSION})")
     if not isinstance(data["provenance"], Mapping):
         raise TableError(f"{source}: provenance must be a mapping")
+    uncatalogued = data["provenance"].get(UNCATALOGUED_FIELD) or []
+    if not isinstance(uncatalogued, list) or not all(isinstance(u, str) for u in uncatalogued):
+        raise TableError(f"{source}: provenance.{UNCATALOGUED_FIELD} must be a list of GPU "
+                         f"names, got {uncatalogued!r}")
     gpus = data["gpus"]
     if not isinstance(gpus, Mapping):
         raise TableError(f"{source}: gpus must map GPU names to kernels")
     tables = Tables(sources=[source])
     for gpu_key, kernels in gpus.items():
-        gpu = canonical_gpu(gpu_key)
+        try:
+            gpu = canonical_gpu(gpu_key, uncatalogued)
+        except ValueError as e:
+            raise TableError(f"{source}: gpus.{gpu_key}: {e}") from None
         if not isinstance(kernels, Mapping):
             raise TableError(f"{source}: gpus.{gpu_key} must map kernel names to entry lists")
         for kernel, entries in kernels.items():
@@ -344,6 +379,42 @@ def _covering(rows: int, entries: list[tuple[int, Config]],
                 None)
 
 
+def _search_command(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str,
+                    rows: int, weights: str, gpu: GpuSpec) -> str:
+    """The `fusetune search` command that tunes exactly this point on this GPU (the
+    interpreter is a backend: the CLI refuses it as a --gpu). The lookup keys on rows, which
+    one batch of that many sequences of one token covers."""
+    where = (["--backend", "interpreter"] if gpu.name == "interpreter"
+             else ["--gpu", gpu.name])
+    args = ["fusetune", "search", "--kernel", spec.name, *where,
+            "--dims", ",".join(f"{k}={v}" for k, v in dims),
+            "--batch", str(max(rows, 1)), "--seq", "1", "--dtype", dtype]
+    if weights:
+        args += ["--weights", weights]
+    return shlex.join(args)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel at which a warnings.warn in the function calling this one names the
+    application's line: the first frame outside fusetune, and outside torch, whose dispatcher
+    runs between fusetune's public functions and their custom ops. (Python 3.12's
+    skip_file_prefixes does the same; the package supports 3.10.)"""
+    skip = [_PACKAGE_DIR]
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "__file__", None):
+        skip.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    frame = sys._getframe(1)  # the function that warns: stacklevel 1
+    level = 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+            tuple(skip)):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 def _resolve(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
              weights: str, gpu: GpuSpec) -> Config:
     kernel = spec.name
@@ -378,9 +449,9 @@ def _resolve(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, ro
         warnings.warn(
             f"fusetune: no tuned config for {kernel} on {gpu.name} ({what}, {dtype}"
             f"{', weights ' + weights if weights else ''}; {have}): using the default heuristic "
-            f"{config}. Tune it with `fusetune search --kernel {kernel} --gpu {gpu.name}` and "
-            f"load the exported table with fusetune.load_tables() or {ENV_VAR}.",
-            FusetuneWarning, stacklevel=4)
+            f"{config}. Tune it with `{_search_command(spec, dims, dtype, rows, weights, gpu)}` "
+            f"and load the exported table with fusetune.load_tables() or {ENV_VAR}.",
+            FusetuneWarning, stacklevel=_caller_stacklevel())
     return config
 
 
@@ -396,6 +467,22 @@ def cached_config(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: st
     return config
 
 
+def _check_dims(spec: KernelSpec, dims: Mapping[str, int]) -> None:
+    """ValueError naming the dims that are missing or unknown to spec's kernel, or not a
+    non-negative integer (the launchers pass their tensors' shapes and need no check)."""
+    names = spec.dim_names
+    if dims.keys() != set(names):
+        missing = [k for k in names if k not in dims]
+        unknown = [str(k) for k in dims if k not in names]
+        parts = [f"{what} dim{'s' if len(ks) > 1 else ''} {', '.join(ks)}"
+                 for what, ks in (("missing", missing), ("unknown", unknown)) if ks]
+        raise ValueError(f"{spec.name}: {', '.join(parts)}; {spec.name}'s dims are "
+                         f"{', '.join(names)}")
+    for k, v in dims.items():
+        if not _is_int(v) or v < 0:
+            raise ValueError(f"{spec.name}: dims.{k}={v!r} must be a non-negative integer")
+
+
 def lookup(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,
            weights: str = "", gpu: str | None = None, device: Any = None) -> Config:
     """The config spec's kernel launches with for this GPU and shape (a copy).
@@ -407,6 +494,7 @@ def lookup(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,
         raise ValueError(f"rows={rows} must be >= 0")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    _check_dims(spec, dims)
     dims_t = tuple(sorted(dims.items()))
     if gpu is not None:
         from fusetune import gpus

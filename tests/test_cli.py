@@ -167,6 +167,17 @@ def test_bad_batch(batch: str) -> None:
     assert "integers" in r.output
 
 
+@pytest.mark.parametrize(("option", "value"), [
+    ("--batch", "1,,2"), ("--batch", "1,2,"), ("--seq", ",1"), ("--seq", "1, ,2"),
+    ("--dtype", "float16,,bfloat16"), ("--dtype", "float16,")])
+def test_empty_list_items_refused(option: str, value: str) -> None:
+    # An empty item is a slip (a value left out), not a separator to skip.
+    r = invoke("search", "--kernel", "rmsnorm", "--dry-run", option, value)
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '{option}'" in r.output and repr(value) in r.output, r.output
+    assert "empty item" in r.output, r.output
+
+
 def test_gpus_lists_catalogue() -> None:
     r = invoke("gpus")
     assert r.exit_code == 0, r.output
@@ -177,6 +188,7 @@ def test_gpus_lists_catalogue() -> None:
 
 
 def test_show_and_export_on_empty_db(db_url: str, tmp_path: Path) -> None:
+    Store(db_url).engine.dispose()  # a database without results (show does not make one)
     r = invoke("show", "--db", db_url)
     assert r.exit_code == 0 and "holds no points" in r.output
     r = invoke("export", str(tmp_path / "t.yaml"), "--db", db_url)
@@ -187,6 +199,84 @@ def test_show_and_export_on_empty_db(db_url: str, tmp_path: Path) -> None:
     assert r.exit_code == 0 and "holds no points" in r.output
     r = invoke("export", str(tmp_path / "t.yaml"), "--storage", db_url)
     assert r.exit_code != 0 and "no winners" in r.output
+
+
+def _one_winner(db: str) -> None:
+    from fusetune.db.store import PointKey
+
+    store = Store(db)
+    cfg = {"BLOCK_D": 64, "ROWS": 1, "num_warps": 4, "num_stages": 1}
+    pid = store.point_id(PointKey(gpu="h100-sxm", kernel="rmsnorm", dims={"dim": 64}, batch=1,
+                                  seq=1, dtype="float16", weights="", backend="cuda",
+                                  kernel_hash="abc", triton_version="3.6.0",
+                                  torch_version="2.11.0"))
+    store.set_winner(pid, cfg, 2.0, cfg, 2.0, 10, 10, 1)
+    store.engine.dispose()
+
+
+def test_export_where_it_cannot_write_is_one_line(sqlite_url: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _one_winner(sqlite_url)
+    (tmp_path / "a-file").write_text("")
+    for out, why in ((tmp_path / "no-such-dir" / "t.yaml",
+                      f"directory {str(tmp_path / 'no-such-dir')!r} does not exist"),
+                     (tmp_path / "a-file" / "t.yaml",
+                      f"{str(tmp_path / 'a-file')!r} is not a directory")):
+        r = invoke("export", str(out), "--db", sqlite_url)
+        assert r.exit_code == 1 and r.exception is not None and isinstance(
+            r.exception, SystemExit), repr(r.exception)
+        assert f"Error: cannot write {out}: " in r.output and why in r.output, r.output
+    # a read-only directory (root writes into one anyway: its refusal is made here)
+    real = Path.write_text
+
+    def read_only(self: Path, *args: object, **kwargs: object) -> int:
+        if self.parent == tmp_path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", read_only)
+    out = tmp_path / "t.yaml"
+    r = invoke("export", str(out), "--db", sqlite_url)
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), repr(r.exception)
+    assert f"Error: cannot write {out}: " in r.output and "Permission denied" in r.output
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("t.yaml")]
+
+
+@pytest.mark.parametrize("command", [["show"], ["show", "--point", "1"],
+                                     ["export", "out.yaml"], ["export", "out.yaml", "--update"]])
+def test_show_and_export_refuse_a_database_file_that_does_not_exist(
+        command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mistyped --db names the missing file; nothing is created (search creates a database).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out.yaml").write_text("schema_version: 1\nprovenance: {}\ngpus: {}\n")
+    for db, path in ((f"sqlite:///{tmp_path}/tunes.db", f"{tmp_path}/tunes.db"),
+                     ("sqlite:///tunes.db", "tunes.db")):
+        r = invoke(*command, "--db", db)
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), repr(r.exception)
+        assert f"no database at {path}" in r.output, r.output
+        assert "fusetune search" in r.output, r.output
+        assert not (tmp_path / "tunes.db").exists()
+
+
+def test_show_and_export_filter_gpus_outside_the_catalogue(sqlite_url: str,
+                                                           tmp_path: Path) -> None:
+    from fusetune.db.store import PointKey
+
+    store = Store(sqlite_url)
+    cfg = {"BLOCK_D": 64, "ROWS": 1, "num_warps": 4, "num_stages": 1}
+    for gpu in ("orin", "nvidia-l40s", "h100-sxm"):
+        pid = store.point_id(PointKey(gpu=gpu, kernel="rmsnorm", dims={"dim": 64}, batch=1,
+                                      seq=1, dtype="float16", weights="", backend="cuda",
+                                      kernel_hash="abc", triton_version="3.6.0",
+                                      torch_version="2.11.0"))
+        store.set_winner(pid, cfg, 2.0, cfg, 2.0, 10, 10, 1)
+    r = invoke("show", "--db", sqlite_url, "--gpu", "orin")
+    assert r.exit_code == 0 and "gpu orin" in r.output, r.output
+    out = tmp_path / "t.yaml"
+    r = invoke("export", str(out), "--db", sqlite_url, "--gpu", "NVIDIA L40S")
+    assert r.exit_code == 0 and "for nvidia-l40s" in r.output, r.output
+    r = invoke("show", "--db", sqlite_url, "--gpu", "rtx9999")
+    assert r.exit_code == 1 and "unknown GPU 'rtx9999'" in r.output, r.output
 
 
 def test_export_update(db_url: str, tmp_path: Path) -> None:

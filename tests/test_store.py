@@ -122,11 +122,19 @@ def test_reason_with_a_nul_byte_is_stored(db_url: str) -> None:
     assert Store(db_url).results(pid)[config_key(CFG_A)].reason == "worker died: SIGSEGV"
 
 
-def test_set_winner_upserts(db_url: str) -> None:
+def test_set_winner_replaces_the_winner_it_was_compared_with(db_url: str) -> None:
     store = Store(db_url)
     pid = store.point_id(key())
-    store.set_winner(pid, CFG_A, 5.0, CFG_B, 6.0, 1000, 500, 3)
-    store.set_winner(pid, CFG_C, 4.0, CFG_B, None, 1000, 500, 7)
+    assert store.winner(pid) is None
+    first = store.set_winner(pid, CFG_A, 5.0, CFG_B, 6.0, 1000, 500, 3)
+    assert (first.config, first.time_us) == (CFG_A, 5.0)
+    # Another search that did not see `first` (it read no winner): `first` stays, for both.
+    assert store.set_winner(pid, CFG_B, 1.0, CFG_B, 1.0, 1000, 500, 5).config == CFG_A
+    second = store.set_winner(pid, CFG_C, 4.0, CFG_B, None, 1000, 500, 7, replaces=first)
+    assert (second.config, second.time_us, second.id) == (CFG_C, 4.0, first.id)
+    # `first` is not the stored winner any more: replacing it changes nothing
+    kept = store.set_winner(pid, CFG_A, 0.5, CFG_B, 6.0, 1000, 500, 9, replaces=first)
+    assert (kept.config, kept.time_us, kept.updated_at) == (CFG_C, 4.0, second.updated_at)
     ws = store.winners()
     assert len(ws) == 1
     p, w = ws[0]
@@ -189,6 +197,25 @@ def test_export_round_trip(db_url: str, tmp_path: Path) -> None:
 
     assert fusetune.lookup("rmsnorm", {"dim": 64}, "float16", rows=64, gpu="h100") == CFG_C
     assert fusetune.lookup("rmsnorm", {"dim": 64}, "bfloat16", rows=1, gpu="3090") == CFG_B
+
+
+def test_export_of_gpus_outside_the_catalogue_loads_back(db_url: str, tmp_path: Path) -> None:
+    # Points measured on devices outside the catalogue are stored under their device names'
+    # slugs; the exported table lists those GPUs, so that it loads back (and updates) whatever
+    # the names look like.
+    store = Store(db_url)
+    for gpu, c in (("orin", CFG_A), ("nvidia-l40s", CFG_B), ("h100-sxm", CFG_C)):
+        store.set_winner(store.point_id(key(gpu=gpu)), c, 3.0, CFG_A, 4.0, 100, 50, 1)
+    document = export.build_tables(store)
+    assert document["provenance"]["uncatalogued_gpus"] == ["nvidia-l40s", "orin"]
+    out = tmp_path / "tables.yaml"
+    assert export.write_tables(document, out) == 3
+    assert {k[0] for k in tables.load_tables(out).groups} == {"orin", "nvidia-l40s", "h100-sxm"}
+    updated, done = export.update_tables(out.read_text(), str(out),
+                                         export.build_tables(store, gpu="h100-sxm"))
+    assert (done.replaced, done.kept) == (1, 2)
+    assert updated["provenance"]["uncatalogued_gpus"] == ["nvidia-l40s", "orin"]
+    assert export.write_tables(updated, out) == 3
 
 
 def test_export_filters_and_newest_winner(db_url: str, tmp_path: Path) -> None:
@@ -332,11 +359,20 @@ def test_concurrent_writers_of_one_row(db_url: str) -> None:
     assert len({r.id for r in rows}) == 1
     assert len({r.time_us for r in rows}) == 1
     assert len(stores[0].results(pid)) == 1
-    # the winner of a new point: one row, holding one of the writers' values
-    _all_at_once(8, lambda i: stores[i].set_winner(pid, CFG_B, float(i + 1), CFG_A, 9.0, 10,
-                                                   10, i))
+    # the winner of a new point: one row, holding one of the writers' values, which every
+    # writer gets back
+    got = _all_at_once(8, lambda i: stores[i].set_winner(pid, CFG_B, float(i + 1), CFG_A, 9.0,
+                                                         10, 10, i))
     ((p, w),) = stores[0].winners()
     assert p.id == pid and w.config == CFG_B and w.n_evaluated == w.time_us - 1
+    assert {(g.time_us, g.n_evaluated) for g in got} == {(w.time_us, w.n_evaluated)}
+    # eight that all read that winner and replace it at once: one of them gets through, and
+    # every writer gets that one back
+    got = _all_at_once(8, lambda i: stores[i].set_winner(pid, CFG_C, float(i + 20), CFG_A, 9.0,
+                                                         10, 10, i + 19, replaces=w))
+    ((p, w2),) = stores[0].winners()
+    assert w2.config == CFG_C and w2.n_evaluated == w2.time_us - 1
+    assert {(g.time_us, g.n_evaluated) for g in got} == {(w2.time_us, w2.n_evaluated)}
 
 
 def test_a_config_is_claimed_once(db_url: str) -> None:
@@ -431,3 +467,16 @@ def test_tables_of_an_earlier_version_are_upgraded(db_url: str) -> None:
     assert store.claim_running(pid, 0, "h", 1, config_key(CFG_A)) is not None
     assert store.claim_running(pid, 1, "h", 1, config_key(CFG_A)) is None  # the unique index
     assert Store(db_url).running(pid)[0].config_key == config_key(CFG_A)  # upgrading twice: ok
+
+
+def test_an_existing_database_is_required_where_asked(tmp_path: Path) -> None:
+    # show and export read a database (create=False): a path that names no file is an error
+    # naming it, not a new empty database; a search creates it.
+    url = f"sqlite:///{tmp_path}/tunes.db"
+    with pytest.raises(StoreError, match=f"no database at {tmp_path}/tunes.db: the file does "
+                                         "not exist"):
+        Store(url, create=False)
+    assert not (tmp_path / "tunes.db").exists()
+    Store(url).engine.dispose()
+    assert Store(url, create=False).points() == []
+    assert Store("sqlite://", create=False).points() == []  # in memory: nothing to find

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import os
 import re
+import shlex
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from cli_helpers import invoke
 
 import fusetune
 from fusetune import gpus, runtime, tables
@@ -237,6 +240,61 @@ def test_outside_range_default_and_warns_once(tmp_path: Path) -> None:
         assert len(fusetune_warnings(record)) == 1
 
 
+def _suggested(msg: str) -> list[str]:
+    m = re.search(r"`fusetune (search [^`]*)`", msg)
+    assert m, msg
+    return shlex.split(m.group(1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors map to the interpreter")
+def test_missing_entry_warning_suggests_a_search_that_runs_and_points_at_the_caller(
+        tmp_path: Path) -> None:
+    # The suggested command tunes exactly the missing point; the interpreter is a backend,
+    # not a --gpu. The warning names the caller's line, not fusetune's own source.
+    x = torch.randn(7, 64, dtype=torch.float16)
+    w1, w3 = (torch.randn(128, 64, dtype=torch.float16) / 8 for _ in range(2))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        line = _line() + 1
+        fusetune.ffn(x, torch.ones(64, dtype=torch.float16), w1, w3, eps=1e-6)
+    ours = [w for w in record if issubclass(w.category, fusetune.FusetuneWarning)]
+    assert ours and {(w.filename, w.lineno) for w in ours} == {(__file__, line)}
+    (msg,) = [str(w.message) for w in ours if "for ffn on" in str(w.message)]
+    args = _suggested(msg)
+    assert args == ["search", "--kernel", "ffn", "--backend", "interpreter", "--dims",
+                    "dim=64,hidden=128", "--batch", "7", "--seq", "1", "--dtype", "float16"]
+    db = f"sqlite:///{tmp_path}/ft.db"
+    r = invoke(*args, "--trials", "1", "--db", db)
+    assert r.exit_code == 0, r.output
+    from fusetune.db.store import Store
+
+    ((p, _),) = Store(db).winners()
+    assert (p.gpu, p.kernel, p.dims, p.batch, p.seq, p.dtype, p.weights) == (
+        "interpreter", "ffn", '{"dim":64,"hidden":128}', 7, 1, "float16", "")
+
+
+def test_missing_entry_warning_suggests_the_gpu_and_weights() -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        line = _line() + 1
+        fusetune.lookup("ffn", FFN_DIMS, "bfloat16", rows=5, weights="fp8-e4m3", gpu="h100")
+    (w,) = [w for w in record if issubclass(w.category, fusetune.FusetuneWarning)]
+    assert (w.filename, w.lineno) == (__file__, line)
+    args = _suggested(str(w.message))
+    assert args == ["search", "--kernel", "ffn", "--gpu", "h100-sxm", "--dims",
+                    "dim=4096,hidden=11000", "--batch", "5", "--seq", "1", "--dtype", "bfloat16",
+                    "--weights", "fp8-e4m3"]
+    r = invoke(*args, "--dry-run")  # no H100 here: its plan shows the same point
+    assert r.exit_code == 0, r.output
+    assert re.search(r"│ 5 +│ 1 +│ bfloat16 +│ 5 ", r.output), r.output
+
+
+def _line() -> int:
+    """The line number of the caller's line."""
+    frame = sys._getframe(1)
+    return frame.f_lineno
+
+
 FFN_DIMS = {"dim": 4096, "hidden": 11000}  # no shipped entries
 # The matmul kernels' one-row structure (BLOCK_M = 1: a GEMV that reads the weights once per
 # row) and tensor-core tiles.
@@ -431,6 +489,23 @@ def test_lookup_argument_errors() -> None:
         fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="v100")
 
 
+@pytest.mark.parametrize(("dims", "match"), [
+    ({"dim": 4096}, r"ffn: missing dim hidden; ffn's dims are dim, hidden"),
+    ({}, r"ffn: missing dims dim, hidden; ffn's dims are dim, hidden"),
+    ({"dim": 4096, "hidden": 11000, "heads": 32},
+     r"ffn: unknown dim heads; ffn's dims are dim, hidden"),
+    ({"dim": 4096, "hiden": 11000},
+     r"ffn: missing dim hidden, unknown dim hiden; ffn's dims are dim, hidden"),
+    ({"dim": 4096, "hidden": 11000.0}, r"ffn: dims\.hidden=11000\.0 must be a non-negative int"),
+    ({"dim": -1, "hidden": 11000}, r"ffn: dims\.dim=-1 must be a non-negative integer"),
+])
+def test_lookup_names_missing_and_unknown_dims(dims: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fusetune.lookup("ffn", dims, "float16", rows=1, gpu="h100")
+    with pytest.raises(ValueError, match=r"unknown kernel 'fnn'; valid: ffn, .*rmsnorm"):
+        fusetune.lookup("fnn", FFN_DIMS, "float16", rows=1, gpu="h100")
+
+
 def test_reset_forgets_loaded_tables(tmp_path: Path) -> None:
     fusetune.load_tables(write(tmp_path / "t.yaml", doc({"h100-sxm": [entry(1, 1, CFG_B)]})))
     assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100") == CFG_B
@@ -502,6 +577,59 @@ def test_gpu_aliases_in_tables_resolve_to_canonical_names(tmp_path: Path) -> Non
     assert {k[0] for k in t.groups} == {"h100-sxm", "rtx-3090", "nvidia-l40s"}
     assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100-sxm") == CFG_B
     assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="3090") == CFG_C
+
+
+@pytest.mark.parametrize("key", ["rtx9999", "h100x", "a10", "l40s", "3090-ti"])
+def test_unknown_gpu_key_refused(tmp_path: Path, key: str) -> None:
+    # A misspelled GPU would leave every entry under it dead: refused like an unknown field,
+    # by the loader and by the first lookup of FUSETUNE_TABLES (which checks no kernel yet).
+    path = write(tmp_path / "t.yaml", doc({"h100-sxm": [entry(1, 1, CFG_B)],
+                                           key: [entry(1, 1, CFG_C)]}))
+    with pytest.raises(fusetune.TableError) as info:
+        fusetune.load_tables(path)
+    msg = str(info.value)
+    assert str(path) in msg and f"gpus.{key}: unknown GPU {key!r}" in msg, msg
+    for name in ("h100-sxm (h100", "rtx-3090 (3090", "interpreter (cpu)", "nvidia-"):
+        assert name in msg, msg
+    with pytest.raises(fusetune.TableError, match=f"unknown GPU {key!r}"):
+        tables.parse_tables(path.read_text(), str(path))
+    with pytest.raises(fusetune.TableError, match=f"unknown GPU {key!r}"):
+        runtime.parse_tables(path.read_text(), str(path), None)
+
+
+@pytest.mark.parametrize(("device_name", "key"), [
+    ("NVIDIA L40S", "nvidia-l40s"), ("NVIDIA RTX A6000", "nvidia-rtx-a6000"),
+    ("Tesla T4", "tesla-t4"), ("Tesla V100-SXM2-16GB", "tesla-v100-sxm2-16gb"),
+    ("Quadro RTX 8000", "quadro-rtx-8000"), ("NVIDIA GeForce RTX 3080 Ti",
+                                             "nvidia-geforce-rtx-3080-ti"),
+    ("NVIDIA TITAN RTX", "nvidia-titan-rtx"), ("", "cuda-0")])
+def test_tables_of_gpus_outside_the_catalogue_load(tmp_path: Path, device_name: str,
+                                                   key: str) -> None:
+    # `fusetune export` keys a GPU outside the catalogue by its device name's slug (the name
+    # gpus.spec_from_device gives it, which the runtime looks up on that device); the device
+    # name as the driver reports it is taken for that slug.
+    assert gpus.match_device_name(device_name) is None
+    assert (gpus._slugify(device_name) or "cuda-0") == key
+    for written in (key, device_name or key):
+        fusetune.load_tables(write(tmp_path / "t.yaml", doc({written: [entry(1, 1, CFG_C)]})))
+        assert fusetune.tables.tuned_entries(key, "rmsnorm") == [
+            ((("dim", 64),), "float16", 1, CFG_C)]
+
+
+def test_gpus_a_table_lists_as_outside_the_catalogue_load(tmp_path: Path) -> None:
+    # A device whose name begins otherwise ("Orin" on a Jetson): export lists the GPUs outside
+    # the catalogue in the provenance, and the loader takes the names it lists.
+    d = doc({"orin": [entry(1, 1, CFG_C)]})
+    with pytest.raises(fusetune.TableError, match=r"gpus\.orin: unknown GPU 'orin'"):
+        fusetune.load_tables(write(tmp_path / "t.yaml", d))
+    d["provenance"]["uncatalogued_gpus"] = ["orin"]
+    fusetune.load_tables(write(tmp_path / "t.yaml", d))
+    assert fusetune.tables.tuned_entries("orin", "rmsnorm") == [
+        ((("dim", 64),), "float16", 1, CFG_C)]
+    d["provenance"]["uncatalogued_gpus"] = "orin"
+    with pytest.raises(fusetune.TableError,
+                       match=r"provenance\.uncatalogued_gpus must be a list of GPU names"):
+        fusetune.load_tables(write(tmp_path / "t.yaml", d))
 
 
 def test_shipped_tables_are_valid_for_every_kernel() -> None:

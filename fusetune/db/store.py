@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -41,7 +42,8 @@ def dims_json(dims: Mapping[str, int]) -> str:
 
 
 class StoreError(RuntimeError):
-    """A database URL that cannot be used (unknown form, missing driver); the message says why."""
+    """A database URL that cannot be used (unknown form, missing driver, a SQLite file that
+    must exist and does not); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -172,10 +174,29 @@ def _upgrade(conn: Connection) -> None:
         index.create(conn, checkfirst=True)
 
 
-class Store:
-    """fusetune's tables in the database at `url` (created if missing)."""
+def sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite database URL; None for other databases and in-memory SQLite."""
+    parsed = make_url(normalize_url(url))
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    name = parsed.database or ""
+    if name in ("", ":memory:") or parsed.query.get("mode") == "memory":
+        return None
+    if name.startswith("file:"):  # a URI filename (uri=true): its path, without its query
+        name = name[len("file:"):].split("?", 1)[0]
+    return Path(name)
 
-    def __init__(self, url: str = DEFAULT_DB) -> None:
+
+class Store:
+    """fusetune's tables in the database at `url`, created if missing unless `create` is False
+    (then a SQLite file that does not exist is a StoreError naming it, rather than a new,
+    empty database: a mistyped path must not read as a database without results)."""
+
+    def __init__(self, url: str = DEFAULT_DB, *, create: bool = True) -> None:
+        path = None if create else sqlite_file(url)
+        if path is not None and not path.is_file():
+            raise StoreError(f"no database at {path}: the file does not exist (`fusetune "
+                             "search` creates the database it is given with --db)")
         self.url = url
         self.engine = make_engine(url)
         with schema_lock(url):
@@ -258,28 +279,48 @@ class Store:
                 assert existing is not None
                 return existing
 
+    def winner(self, point_id: int) -> WinnerRow | None:
+        """The stored winner of a point, if it has one."""
+        with self.session() as s:
+            return s.scalar(select(WinnerRow).where(WinnerRow.point_id == point_id))
+
     def set_winner(self, point_id: int, config: Mapping[str, int], time_us: float,
                    default_config: Mapping[str, int], default_us: float | None, nbytes: int,
-                   flops: int, n_evaluated: int) -> None:
-        """Stores (or replaces) the winner of a point. Two searches finishing one point at
-        once: the unique point_id lets one insert through, the other updates that row."""
-        for attempt in range(3):
-            with self.session() as s:
-                row = s.scalar(select(WinnerRow).where(WinnerRow.point_id == point_id))
-                if row is None:
-                    row = WinnerRow(point_id=point_id)
-                    s.add(row)
-                row.config, row.time_us = dict(config), time_us
-                row.default_config, row.default_us = dict(default_config), default_us
-                row.bytes, row.flops, row.n_evaluated = nbytes, flops, n_evaluated
-                row.updated_at = utcnow()
+                   flops: int, n_evaluated: int, *, replaces: WinnerRow | None = None
+                   ) -> WinnerRow:
+        """Stores the winner of a point in place of `replaces`, the winner the caller read
+        before re-timing its pick beside it (None: the point had none). Returns the winner
+        stored after the call, which the caller reports.
+
+        If another winner was stored since `replaces` was read (a search finishing the same
+        point at the same time), that one stays: the two picks were re-timed in different
+        sessions, so neither measured the other, and the first one stored may already have been
+        shown. Both finishers then report one winner, the one exported. The check is one
+        statement (an UPDATE of the row only while it is still `replaces`, or an INSERT that
+        the unique point_id refuses where another got in first), atomic on SQLite and
+        PostgreSQL alike."""
+        values = dict(config=dict(config), time_us=time_us, default_config=dict(default_config),
+                      default_us=default_us, bytes=nbytes, flops=flops,
+                      n_evaluated=n_evaluated, updated_at=utcnow())
+        with self.session() as s:
+            if replaces is not None:
+                # The row as it was read: an update by anyone since changes updated_at.
+                s.execute(update(WinnerRow)
+                          .where(WinnerRow.point_id == point_id, WinnerRow.id == replaces.id,
+                                 WinnerRow.updated_at == replaces.updated_at)
+                          .values(**values))
+                s.commit()
+            else:
+                s.add(WinnerRow(point_id=point_id, **values))
                 try:
                     s.commit()
-                    return
-                except IntegrityError:  # inserted by another search meanwhile: update theirs
+                except IntegrityError:  # another search stored a winner first: it stays
                     s.rollback()
-                    if attempt == 2:
-                        raise
+        stored = self.winner(point_id)
+        if stored is None:  # `replaces` is gone with its row: nothing to keep
+            return self.set_winner(point_id, config, time_us, default_config, default_us,
+                                   nbytes, flops, n_evaluated)
+        return stored
 
     def winners(self, gpu: str | None = None, kernel: str | None = None
                 ) -> list[tuple[PointRow, WinnerRow]]:
@@ -292,6 +333,11 @@ class Store:
         q = q.order_by(WinnerRow.updated_at.desc())
         with self.session() as s:
             return [(p, w) for p, w in s.execute(q).all()]
+
+    def gpus(self) -> list[str]:
+        """The GPUs the stored points were measured on, by name."""
+        with self.session() as s:
+            return sorted(s.scalars(select(PointRow.gpu).distinct()).all())
 
     def points(self, kernel: str | None = None) -> list[PointRow]:
         """The stored points in the order they were made, optionally of one kernel."""

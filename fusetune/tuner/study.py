@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 import optuna
 from optuna.trial import TrialState
 
+from fusetune.db.models import WinnerRow
 from fusetune.db.store import PointKey, Store
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._spec import Config, Cost, KernelSpec, Point
@@ -417,10 +418,17 @@ class PointTuner:
             pending = {i: k for i, k in pending.items() if i in live}
 
     def finish(self) -> PointResult:
-        """Re-times the best few beside the default, interleaved; stores the winner (picked
-        from every stored result of the point, other searches' too)."""
+        """Re-times the best few beside the default (and the point's stored winner, if it has
+        one), interleaved; stores the fastest as the winner (picked from every stored result of
+        the point, other searches' too) and reports the winner the database holds then.
+
+        Like with like: the stored winner is replaced only by a pick re-timed beside it in this
+        session. Where another search stored a winner meanwhile (two finishing one point at
+        once), that one stays and is reported here too (Store.set_winner), so that every search
+        shows the winner that is stored and exported."""
         self._wait_for_others()
         self._refresh()
+        seen = self.ctx.store.winner(self.point_id)
         cost = self.spec.cost(self.point)
         res = PointResult(self.point, cost, default_config=self.default,
                           n_evaluated=len(self.results), n_new=self.n_new,
@@ -429,12 +437,14 @@ class PointTuner:
         ok = sorted((r for r in self.results.values() if r.status == "ok" and r.time_us),
                     key=lambda r: r.time_us)
         if not ok:
-            return res
+            return _reported(res, seen)
         dkey = config_key(self.default)
         finalists = [dict(r.config) for r in ok[: self.options.finalists]]
         default_ok = dkey in self.results and self.results[dkey].status == "ok"
         if default_ok and all(config_key(c) != dkey for c in finalists):
             finalists.append(dict(self.default))
+        if seen is not None and all(config_key(c) != config_key(seen.config) for c in finalists):
+            finalists.append(dict(seen.config))
         times: dict[str, list[float]] = {config_key(c): [] for c in finalists}
         for _ in range(self.options.rounds):
             for c in finalists:
@@ -445,11 +455,19 @@ class PointTuner:
                     times[config_key(c)].append(q[1])
         medians = {k: statistics.median(v) for k, v in times.items() if v}
         if not medians:
-            return res
+            return _reported(res, seen)
         wkey = min(medians, key=medians.__getitem__)
-        res.winner = next(c for c in finalists if config_key(c) == wkey)
-        res.time_us = medians[wkey]
-        res.default_us = medians.get(dkey) if default_ok else None
-        self.ctx.store.set_winner(self.point_id, res.winner, res.time_us, self.default,
-                                  res.default_us, cost.bytes, cost.flops, len(self.results))
-        return res
+        winner = next(c for c in finalists if config_key(c) == wkey)
+        stored = self.ctx.store.set_winner(
+            self.point_id, winner, medians[wkey], self.default,
+            medians.get(dkey) if default_ok else None, cost.bytes, cost.flops,
+            len(self.results), replaces=seen)
+        return _reported(res, stored)
+
+
+def _reported(res: PointResult, stored: WinnerRow | None) -> PointResult:
+    """`res` with the point's stored winner (if it has one) as its winner."""
+    if stored is not None:
+        res.winner, res.time_us = dict(stored.config), stored.time_us
+        res.default_us = stored.default_us
+    return res

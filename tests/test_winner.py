@@ -1,0 +1,133 @@
+"""The winner of a point: what a finishing search prints is what the database holds and exports,
+when two searches finish one point at once and when a later search finishes it again."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from fusetune import export, gpus
+from fusetune.db.store import Store
+from fusetune.kernels import get_spec
+from fusetune.kernels._spec import Config, Point
+from fusetune.tuner.search import open_storage
+from fusetune.tuner.space import config_key, load_space, make_plan
+from fusetune.tuner.study import Context, PointResult, PointTuner, SearchOptions
+
+SPEC = get_spec("rmsnorm")
+SPACE = load_space(SPEC)
+POINT = Point.make("rmsnorm", {"dim": 64}, 3, 1, "float16")
+DEFAULT = SPEC.canonical(SPEC.default_config(POINT, gpus.INTERPRETER), POINT)
+CONFIGS = [c for c in make_plan(SPACE, SPEC, POINT, gpus.INTERPRETER).feasible
+           if config_key(c) != config_key(DEFAULT)][:6]
+
+
+class BiasedTimer:
+    """A device whose re-timings favour one config (as run-to-run noise may): `favourite`
+    takes 5 µs, the others 8 µs, the default 10 µs. With a barrier, its first re-timing waits
+    until every finishing search has started re-timing: their finishes overlap."""
+
+    def __init__(self, favourite: Config, barrier: threading.Barrier | None = None) -> None:
+        self.favourite, self.barrier = config_key(favourite), barrier
+
+    def set_point(self, point: Point, seed: int) -> None:
+        pass
+
+    def timing(self, config: Config) -> tuple[float, float, float]:
+        if self.barrier is not None:
+            self.barrier.wait(timeout=60)
+            self.barrier = None
+        key = config_key(config)
+        t = 5.0 if key == self.favourite else 10.0 if key == config_key(DEFAULT) else 8.0
+        return t, t, t
+
+    def close(self) -> None:
+        pass
+
+
+
+def tuner(url: str, worker: BiasedTimer) -> PointTuner:
+    ctx = Context(SPEC, SPACE, gpus.INTERPRETER, "interpreter", "cpu", Store(url),
+                  open_storage(url), "t", "v", worker)  # type: ignore[arg-type]
+    return PointTuner(ctx, POINT, SearchOptions(finalists=3, rounds=1))
+
+
+@pytest.fixture
+def url(db_url: str) -> str:
+    """A database (SQLite, PostgreSQL) holding the point's results: three configs and the
+    default, all correct."""
+    url = db_url
+    t = tuner(url, BiasedTimer(CONFIGS[0]))
+    for i, c in enumerate([*CONFIGS[:3], DEFAULT]):
+        t.ctx.store.record(t.point_id, config_key(c), c, "ok", time_us=6.0 + i)
+    return url
+
+
+def stored(url: str) -> tuple[str, float, float | None]:
+    ((_, w),) = Store(url).winners()
+    return config_key(w.config), w.time_us, w.default_us
+
+
+def shown(res: PointResult) -> tuple[str, float | None, float | None]:
+    assert res.winner is not None
+    return config_key(res.winner), res.time_us, res.default_us
+
+
+def exported(url: str) -> str:
+    ((entry,),) = [es for kernels in export.build_tables(Store(url))["gpus"].values()
+                   for es in kernels.values()]
+    return config_key(entry["config"])
+
+
+def in_threads(*calls: Callable[[], PointResult]) -> list[PointResult]:
+    out: list[PointResult | None] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except BaseException as e:  # re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    assert all(r is not None for r in out)
+    return out  # type: ignore[return-value]
+
+
+def test_two_searches_finishing_one_point_at_once_show_the_stored_winner(url: str) -> None:
+    # Each device's re-timing favours another config: each search would print its own.
+    barrier = threading.Barrier(2)
+    a = tuner(url, BiasedTimer(CONFIGS[0], barrier))
+    b = tuner(url, BiasedTimer(CONFIGS[1], barrier))
+    res_a, res_b = in_threads(a.finish, b.finish)
+    assert shown(res_a) == shown(res_b) == stored(url)
+    assert stored(url)[0] in (config_key(CONFIGS[0]), config_key(CONFIGS[1]))
+    assert exported(url) == stored(url)[0]
+
+
+def test_a_later_search_replaces_the_winner_only_where_it_beat_it_beside_its_own(
+        url: str) -> None:
+    first = tuner(url, BiasedTimer(CONFIGS[0])).finish()
+    assert shown(first) == stored(url) == (config_key(CONFIGS[0]), 5.0, 10.0)
+    # A later search re-times the stored winner beside its finalists: its pick is stored.
+    later = tuner(url, BiasedTimer(CONFIGS[2])).finish()
+    assert shown(later) == stored(url) == (config_key(CONFIGS[2]), 5.0, 10.0)
+    assert exported(url) == config_key(CONFIGS[2])
+
+
+def test_a_later_search_re_times_the_stored_winner_beside_its_finalists(url: str) -> None:
+    tuner(url, BiasedTimer(CONFIGS[0])).finish()
+    # Configs whose first timing beat the winner's: the later search's finalists. The stored
+    # winner is re-timed beside them, still the fastest, and stays.
+    later = tuner(url, BiasedTimer(CONFIGS[0]))
+    for i, c in enumerate(CONFIGS[3:]):
+        later.ctx.store.record(later.point_id, config_key(c), c, "ok", time_us=1.0 + i)
+    assert shown(later.finish()) == stored(url) == (config_key(CONFIGS[0]), 5.0, 10.0)
