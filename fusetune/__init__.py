@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["FusetuneWarning", "TableError", "ffn", "load_tables", "lola", "lookup", "patch",
-           "qkv", "quantize_fp8", "rmsnorm", "rope", "unpatch"]
+__all__ = ["FusetuneWarning", "TableError", "ffn", "linear", "load_tables", "lola", "lookup",
+           "patch", "qkv", "quantize_fp8", "rmsnorm", "rope", "unpatch"]
 
 _LAZY = {
     "rmsnorm": ("fusetune.kernels.rmsnorm", "rmsnorm"),
     "ffn": ("fusetune.kernels.ffn", "ffn"),
     "lola": ("fusetune.kernels.lola", "lola"),
+    "linear": ("fusetune.kernels.linear", "linear"),
     "qkv": ("fusetune.kernels.qkv", "qkv"),
     "rope": ("fusetune.kernels.rope", "rope"),
     "quantize_fp8": ("fusetune.kernels.fp8", "quantize_fp8"),
@@ -36,6 +37,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from fusetune.kernels.ffn import ffn
     from fusetune.kernels.fp8 import quantize_fp8
+    from fusetune.kernels.linear import linear
     from fusetune.kernels.lola import lola
     from fusetune.kernels.qkv import qkv
     from fusetune.kernels.rmsnorm import rmsnorm

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fusetune.kernels import ffn as _ffn
+from fusetune.kernels import linear as _linear
 from fusetune.kernels import lola as _lola
 from fusetune.kernels import qkv as _qkv
 from fusetune.kernels import rmsnorm as _rmsnorm
@@ -15,6 +16,7 @@ REGISTRY: dict[str, KernelSpec] = {
     _lola.SPEC.name: _lola.SPEC,
     _qkv.SPEC.name: _qkv.SPEC,
     _rope.SPEC.name: _rope.SPEC,
+    _linear.SPEC.name: _linear.SPEC,
 }
 
 
