@@ -51,13 +51,13 @@ def make_case(m: int, d: int, n: int, dtype_name: str, gpu: Any, compiled: Any
     tuned_cfg = fusetune.lookup("lola", dims, dtype_name, rows=m)
     default_cfg = SPEC.canonical(SPEC.default_config(point, gpu), point)
     ref = SPEC.reference({"x": x, "weight": w, "bias": b, "eps": 1e-5})["y"]
-    out = fusetune.lola(x, w, b)
+    out = fusetune.lola(x, w, b, eps=1e-5)
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < SPEC.tolerance[dtype_name], f"tuned lola wrong: rel err {err}"
     liger = liger_lola(d, dtype)
     fns = {
-        "tuned": lambda: fusetune.lola(x, w, b),
-        "default": lambda: fusetune.lola(x, w, b, config=default_cfg),
+        "tuned": lambda: fusetune.lola(x, w, b, eps=1e-5),
+        "default": lambda: fusetune.lola(x, w, b, eps=1e-5, config=default_cfg),
         "eager": lambda: eager_lola(x, w, b),
         "compile": lambda: compiled(x, w, b),
         "liger": (lambda: liger(x, w, b)) if liger else None,

@@ -28,6 +28,13 @@ console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
 err = Console(stderr=True, highlight=False)
 
 
+def _numerics(p: Any) -> str:
+    """A stored point's weight format and activation mode as `show` prints them."""
+    if not p.weights:
+        return "-"
+    return p.weight_format + (f" {p.activations} act." if p.activations else "")
+
+
 def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -99,8 +106,9 @@ def _resolve_points(args: PointArgs, target: Target, small: bool
         # --weights fp16 / bf16 name the activations' dtype: Point.weights "" (one key for both)
         weights = ("" if args.weights is None else
                    {spec.point_weights(args.weights, d) for d in dtypes}.pop())
+        activations = spec.point_activations(args.activations, weights)
         req = Request(args.kernel, dims, args.batch or grid["batch"], args.seq or grid["seq"],
-                      dtypes, weights)
+                      dtypes, weights, activations)
         points = make_points(req)
     except (SearchError, SpaceError, ValueError) as e:
         raise click.ClickException(str(e)) from None
@@ -175,6 +183,7 @@ def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trial
                   "threads per block.")
     t = Table()
     weights = f", weights {points[0].weights}" if points[0].weights else ""
+    weights += f", {points[0].activations} activations" if points[0].activations else ""
     sampled = space.size > ENUMERATE_LIMIT
     if sampled:
         console.print(f"Points: dims {points[0].dims_label}{weights}. The space is larger than "
@@ -419,7 +428,7 @@ def _print_summary(results: Sequence[Any], target: Any) -> None:
     for r in results:
         gbs = r.cost.bytes / (r.time_us * 1e3) if r.time_us else None
         pct = 100 * gbs / gpu.bandwidth_gbs if gbs and gpu.bandwidth_gbs else None
-        peak = gpu.peak_tflops(r.point.dtype, r.point.weights)
+        peak = gpu.peak_tflops(r.point.dtype, r.point.activations)
         floor = r.cost.floor_us(gpu.bandwidth_gbs, peak)  # datasheet rates: a lower bound
         failed = sum(n for s, n in r.statuses.items() if s not in ("ok", "infeasible"))
         t.add_row(r.point.label, _config_str(r.winner, r.point.kernel), _fmt(r.time_us, ".2f"),
@@ -720,7 +729,7 @@ def show(db: str, gpu_name: str | None, kernel: str | None, point_id: int | None
         w = winners.get(p.id)
         speed = w.default_us / w.time_us if w and w.default_us else None
         rows.append((str(p.id), p.gpu, p.kernel, p.dims, str(p.batch), str(p.seq), p.dtype,
-                     p.weights or "-", p.backend, p.triton_version,
+                     _numerics(p), p.backend, p.triton_version,
                      " ".join(f"{k}:{v}" for k, v in sorted(counts.items())),
                      _config_str(w.config if w else None, p.kernel),
                      _fmt(w.time_us if w else None, ".2f"),
@@ -753,7 +762,7 @@ def _show_point(store: Any, point_id: int, top: int) -> None:
         raise click.ClickException(f"no point {point_id} in {store.url}; points: "
                                    f"{', '.join(ids) or 'none'} (see `fusetune show`)")
     counts = store.status_counts(p.id)
-    weights = f" weights {p.weights}" if p.weights else ""
+    weights = f" weights {_numerics(p)}" if p.weights else ""
     console.print(f"Point {p.id}: {p.kernel} {p.dims} b={p.batch} s={p.seq} {p.dtype}{weights} "
                   f"on {p.gpu} "
                   f"({p.backend}, Triton {p.triton_version}, torch {p.torch_version}); results: "

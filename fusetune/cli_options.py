@@ -69,6 +69,7 @@ class PointArgs:
     seq: list[int] | None
     dtype: list[str] | None
     weights: str | None  # --weights as given (checked against the kernel and dtypes later)
+    activations: str  # --activations: "16bit" or "fp8" (checked against the weights later)
     db: str
     backend: str
     space_path: str | None
@@ -107,6 +108,13 @@ _OPTIONS = (
                       "scale per output channel, as from fusetune.quantize_fp8), or fp16 / bf16, "
                       "the activations' own dtype (the default; weights other than FP8 are read "
                       "in x's dtype). Part of each point's key and of the exported tables."),
+    click.option("--activations", type=click.Choice(("16bit", "fp8")), default="16bit",
+                 show_default=True,
+                 help="How FP8 weights meet the activations: 16bit keeps them in their dtype "
+                      "(weight-only FP8: the 16-bit tolerance against the dequantized weights); "
+                      "fp8 rounds them to e4m3 per row for the FP8 tensor cores (faster "
+                      "products, a few percent of error; needs --weights fp8-*). It changes the "
+                      "results, so it is part of each point's key, never tuned."),
     click.option("--db", "--storage", "db", default=DEFAULT_DB, show_default=True,
                  help="Database URL for results and Optuna studies (sqlite:///..., "
                       "postgresql://... where several hosts tune together)."),

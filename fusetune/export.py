@@ -24,14 +24,16 @@ def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
     seen: set[tuple[Any, ...]] = set()
     versions: set[tuple[str, str]] = set()
     for p, w in store.winners(gpu=gpu, kernel=kernel):  # newest first
-        ident = (p.gpu, p.kernel, p.dims, p.batch, p.seq, p.dtype, p.weights)
+        ident = (p.gpu, p.kernel, p.dims, p.batch, p.seq, p.dtype, p.weights)  # with the mode
         if ident in seen:
             continue
         seen.add(ident)
         versions.add((p.triton_version, p.torch_version))
         entry: dict[str, Any] = {"dims": json.loads(p.dims), "dtype": p.dtype}
-        if p.weights:
-            entry["weights"] = p.weights
+        if p.weight_format:
+            entry["weights"] = p.weight_format
+        if p.activations:
+            entry["activations"] = p.activations
         entry.update(batch=p.batch, seq=p.seq, config=dict(w.config),
                      time_us=round(w.time_us, 3),
                      default_us=None if w.default_us is None else round(w.default_us, 3),
@@ -42,7 +44,7 @@ def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
 
 def _entry_order(e: dict[str, Any]) -> tuple[Any, ...]:
     return (json.dumps(e["dims"], sort_keys=True), e["dtype"], e.get("weights", ""),
-            e["batch"] * e["seq"], e["batch"])
+            e.get("activations", ""), e["batch"] * e["seq"], e["batch"])
 
 
 def _document(gpus: dict[str, dict[str, list[dict[str, Any]]]],
@@ -90,7 +92,8 @@ def update_tables(old_text: str, source: str, new: dict[str, Any]
                   ) -> tuple[dict[str, Any], Update]:
     """The table document `old_text` (validated first; `source` names it in errors) with the
     entries of `new` (a build_tables document) in it: an entry of `new` replaces the file's
-    entry for the same point (GPU, kernel, dims, dtype, weight format, batch, seq), the file's
+    entry for the same point (GPU, kernel, dims, dtype, weight format, activation mode, batch,
+    seq), the file's
     other entries stay as they are. GPU names are written canonically ("h100" -> "h100-sxm")."""
     parse_tables(old_text, source)  # a file the runtime would reject is not built upon
     old = yaml.safe_load(old_text)
@@ -127,7 +130,7 @@ def update_tables(old_text: str, source: str, new: dict[str, Any]
 
 def _identity(gpu: str, kernel: str, e: dict[str, Any]) -> tuple[Any, ...]:
     return (gpu, kernel, json.dumps(e["dims"], sort_keys=True), e["dtype"],
-            e.get("weights") or "", e["batch"], e["seq"])
+            e.get("weights") or "", e.get("activations") or "", e["batch"], e["seq"])
 
 
 def write_tables(doc: dict[str, Any], path: str | Path) -> int:

@@ -52,17 +52,19 @@ class GpuSpec:
     peak_bf16_tflops: float | None
     known: bool = True
     # FP8 (e4m3/e5m2) tensor cores, compute capability 8.9+ (Ada, Hopper): where the matmul
-    # kernels can multiply FP8 weights by FP8-quantized activations (ACT_FP8 = 1). Elsewhere
-    # FP8 weights are upcast in registers and the e4m3 type is decoded from its bytes.
+    # kernels can multiply FP8 weights by FP8-quantized activations (FP8 activations, the
+    # caller's mode). Elsewhere FP8 weights are upcast in registers and the e4m3 type is
+    # decoded from its bytes.
     fp8_tensor_cores: bool = False
     # Dense FP8 tensor-core rate with float32 accumulation (the kernels' tl.dot), datasheet.
     peak_fp8_tflops: float | None = None
 
-    def peak_tflops(self, dtype: str, weights: str = "") -> float | None:
-        """The datasheet rate that bounds a point's products from below: FP8 where its weights
-        are FP8 and the GPU has FP8 tensor cores (ACT_FP8 configs multiply on them), else the
-        activations' 16-bit rate (float32 activations included: a lower bound)."""
-        if weights.startswith("fp8") and self.fp8_tensor_cores and self.peak_fp8_tflops:
+    def peak_tflops(self, dtype: str, activations: str = "") -> float | None:
+        """The datasheet rate that bounds a point's products from below: FP8 where its
+        activations are FP8 (Point.activations; they multiply on the FP8 tensor cores), else
+        the activations' 16-bit rate (weight-only FP8 upcasts its weights to it; float32
+        activations included: a lower bound)."""
+        if activations == "fp8" and self.fp8_tensor_cores and self.peak_fp8_tflops:
             return self.peak_fp8_tflops
         return self.peak_bf16_tflops if dtype == "bfloat16" else self.peak_fp16_tflops
 

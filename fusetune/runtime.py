@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 1
 ENV_VAR = "FUSETUNE_TABLES"
 ENTRY_FIELDS = {"dims": True, "dtype": True, "batch": True, "seq": True, "config": True,
-                "weights": False, "time_us": False, "default_us": False, "triton": False,
-                "torch": False, "backend": False}
+                "weights": False, "activations": False, "time_us": False, "default_us": False,
+                "triton": False, "torch": False, "backend": False}
 
 
 class TableError(ValueError):
@@ -55,8 +55,8 @@ class FusetuneWarning(UserWarning):
     """A kernel ran with the default heuristic because no tuned config covers its shape."""
 
 
-# (gpu, kernel, dims, dtype, weights) -> [(rows, config)], sorted by rows
-GroupKey = tuple[str, str, tuple[tuple[str, int], ...], str, str]
+# (gpu, kernel, dims, dtype, weights, activations) -> [(rows, config)], sorted by rows
+GroupKey = tuple[str, str, tuple[tuple[str, int], ...], str, str, str]
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,8 @@ class RawEntry:
 
 @dataclass
 class Tables:
-    """Checked entries grouped by (GPU, kernel, dims, dtype, weights), each group sorted by
+    """Checked entries grouped by (GPU, kernel, dims, dtype, weights, activations), each group
+    sorted by
     rows; `unchecked` holds, by kernel name, the entries not yet checked against the kernel's
     spec (see `check`)."""
 
@@ -139,6 +140,13 @@ def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str) -> tuple[GroupKey, 
                  "activations' dtype)" if spec.weight_formats
                  else f"left out ({spec.name} has no weights)")
         raise TableError(f"{where}: weights {weights!r}: expected {valid}")
+    activations = raw.get("activations", "") or ""
+    if activations:
+        # The activation mode changes the results: an entry of one mode never serves another.
+        try:
+            activations = spec.point_activations(activations, weights)
+        except ValueError as e:
+            raise TableError(f"{where}: {e}") from None
     for k in ("time_us", "default_us"):
         v = raw.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -147,7 +155,8 @@ def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str) -> tuple[GroupKey, 
         config = spec.validate_config(raw["config"], where=f"{where}: config")
     except ConfigError as e:
         raise TableError(str(e)) from None
-    key: GroupKey = (gpu, spec.name, tuple(sorted(dims.items())), raw["dtype"], weights)
+    key: GroupKey = (gpu, spec.name, tuple(sorted(dims.items())), raw["dtype"], weights,
+                     activations)
     return key, raw["batch"] * raw["seq"], config
 
 
@@ -348,16 +357,17 @@ def gpu_for_device(device: Any = None) -> Any:
 TunedEntry = tuple[tuple[tuple[str, int], ...], str, int, Config]  # (dims, dtype, rows, config)
 
 
-def tuned_entries(spec: KernelSpec, gpu: str, weights: str = "") -> list[TunedEntry]:
-    """Every entry the lookup could use for spec's kernel with `weights` on `gpu` (any dims,
-    dtype and row count): the loaded tables' first, then the shipped ones'. A search starts
-    from the nearest of them (fusetune.tuner.seeds)."""
+def tuned_entries(spec: KernelSpec, gpu: str, weights: str = "",
+                  activations: str = "") -> list[TunedEntry]:
+    """Every entry the lookup could use for spec's kernel with `weights` and `activations` on
+    `gpu` (any dims, dtype and row count): the loaded tables' first, then the shipped ones'. A
+    search starts from the nearest of them (fusetune.tuner.seeds)."""
     out: list[TunedEntry] = []
     for tables in _tables_in_order():
         with _lock:
             tables.check(spec)
-        for (g, k, dims, dtype, w), entries in tables.groups.items():
-            if g == gpu and k == spec.name and w == weights:
+        for (g, k, dims, dtype, w, a), entries in tables.groups.items():
+            if g == gpu and k == spec.name and w == weights and a == activations:
                 out += [(dims, dtype, rows, config) for rows, config in entries]
     return out
 
@@ -380,7 +390,7 @@ def _covering(rows: int, entries: list[tuple[int, Config]],
 
 
 def _search_command(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str,
-                    rows: int, weights: str, gpu: GpuSpec) -> str:
+                    rows: int, weights: str, gpu: GpuSpec, activations: str = "") -> str:
     """The `fusetune search` command that tunes exactly this point on this GPU (the
     interpreter is a backend: the CLI refuses it as a --gpu). The lookup keys on rows, which
     one batch of that many sequences of one token covers."""
@@ -391,6 +401,8 @@ def _search_command(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: 
             "--batch", str(max(rows, 1)), "--seq", "1", "--dtype", dtype]
     if weights:
         args += ["--weights", weights]
+    if activations:
+        args += ["--activations", activations]
     return shlex.join(args)
 
 
@@ -416,10 +428,10 @@ def _caller_stacklevel() -> int:
 
 
 def _resolve(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
-             weights: str, gpu: GpuSpec) -> Config:
+             weights: str, gpu: GpuSpec, activations: str = "", warn: bool = True) -> Config:
     kernel = spec.name
-    group: GroupKey = (gpu.name, kernel, dims, dtype, weights)
-    point = Point(kernel, dims, 1, max(rows, 1), dtype, weights)
+    group: GroupKey = (gpu.name, kernel, dims, dtype, weights, activations)
+    point = Point(kernel, dims, 1, max(rows, 1), dtype, weights, activations)
 
     def serves(config: Config) -> bool:
         # A structure tuned at other row counts may not apply at these: the one-row (GEMV)
@@ -436,7 +448,7 @@ def _resolve(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, ro
                 return found
             tuned = tuned or entries
     config = spec.canonical(spec.default_config(point, gpu), point)
-    if group not in _warned:
+    if warn and group not in _warned:
         _warned.add(group)
         what = ", ".join(f"{k}={v}" for k, v in dims)
         have = (f"tuned rows {tuned[0][0]}..{tuned[-1][0]}, asked {rows}" if tuned
@@ -446,24 +458,30 @@ def _resolve(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, ro
             if spec.row_reach is not None:
                 have += f"; an entry tuned for R rows serves more than R/{spec.row_reach}"
             have += ")"
+        mode = (f", weights {weights}" if weights else "") + (
+            f", {activations} activations" if activations else "")
+        command = _search_command(spec, dims, dtype, rows, weights, gpu, activations)
         warnings.warn(
-            f"fusetune: no tuned config for {kernel} on {gpu.name} ({what}, {dtype}"
-            f"{', weights ' + weights if weights else ''}; {have}): using the default heuristic "
-            f"{config}. Tune it with `{_search_command(spec, dims, dtype, rows, weights, gpu)}` "
+            f"fusetune: no tuned config for {kernel} on {gpu.name} ({what}, {dtype}{mode}; "
+            f"{have}): using the default heuristic {config}. Tune it with `{command}` "
             f"and load the exported table with fusetune.load_tables() or {ENV_VAR}.",
             FusetuneWarning, stacklevel=_caller_stacklevel())
     return config
 
 
 def cached_config(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
-                  weights: str = "", device: Any = None) -> Config:
-    """The launchers' fast path: returns the cached (shared, do not modify) config."""
+                  weights: str = "", device: Any = None, activations: str = "",
+                  warn: bool = True) -> Config:
+    """The launchers' fast path: returns the cached (shared, do not modify) config. `warn`:
+    warn once where no tuned config covers the point (off for a kernel's inner pass, whose
+    caller's own lookup warns)."""
     gpu = gpu_for_device(device)
-    key = (spec.name, gpu.name, dims, dtype, rows, weights)
+    key = (spec.name, gpu.name, dims, dtype, rows, weights, activations)
     config = _cache.get(key)
     if config is None:
         with _lock:
-            config = _cache[key] = _resolve(spec, dims, dtype, rows, weights, gpu)
+            config = _cache[key] = _resolve(spec, dims, dtype, rows, weights, gpu, activations,
+                                            warn)
     return config
 
 
@@ -484,8 +502,10 @@ def _check_dims(spec: KernelSpec, dims: Mapping[str, int]) -> None:
 
 
 def lookup(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,
-           weights: str = "", gpu: str | None = None, device: Any = None) -> Config:
-    """The config spec's kernel launches with for this GPU and shape (a copy).
+           weights: str = "", activations: str = "", gpu: str | None = None,
+           device: Any = None) -> Config:
+    """The config spec's kernel launches with for this GPU and shape (a copy), with weights
+    `weights` and activation mode `activations` (see fusetune.kernels._spec.Point).
 
     `gpu` names a catalogue GPU ("h100", "3090", "interpreter"); by default the GPU of
     `device` (or the current CUDA device; the interpreter when there is none).
@@ -495,14 +515,15 @@ def lookup(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     _check_dims(spec, dims)
+    activations = spec.point_activations(activations, weights)
     dims_t = tuple(sorted(dims.items()))
     if gpu is not None:
         from fusetune import gpus
 
         gpu_spec = gpus.resolve(gpu)
-        key = (spec.name, gpu_spec.name, dims_t, dtype, rows, weights)
+        key = (spec.name, gpu_spec.name, dims_t, dtype, rows, weights, activations)
         with _lock:
             config = _cache.get(key) or _cache.setdefault(
-                key, _resolve(spec, dims_t, dtype, rows, weights, gpu_spec))
+                key, _resolve(spec, dims_t, dtype, rows, weights, gpu_spec, activations))
         return dict(config)
-    return dict(cached_config(spec, dims_t, dtype, rows, weights, device))
+    return dict(cached_config(spec, dims_t, dtype, rows, weights, device, activations))

@@ -67,18 +67,21 @@ def load_tables(*paths: str | Path) -> Tables:
 
 
 def lookup(kernel: str, dims: Mapping[str, int], dtype: str, *, rows: int, weights: str = "",
-           gpu: str | None = None, device: Any = None) -> Config:
-    """The config a kernel launches with for this GPU and shape (a copy).
+           activations: str = "", gpu: str | None = None, device: Any = None) -> Config:
+    """The config a kernel launches with for this GPU and shape (a copy), with weights
+    `weights` ("" for the activations' dtype, "fp8-e4m3", "fp8-e5m2") and activation mode
+    `activations` ("" or "fp8": FP8 activations beside FP8 weights).
 
     `gpu` names a catalogue GPU ("h100", "3090", "interpreter"); by default the GPU of
     `device` (or the current CUDA device; the interpreter when there is none).
     """
-    return runtime.lookup(_spec(kernel), dims, dtype, rows=rows, weights=weights, gpu=gpu,
-                          device=device)
+    return runtime.lookup(_spec(kernel), dims, dtype, rows=rows, weights=weights,
+                          activations=activations, gpu=gpu, device=device)
 
 
-def tuned_entries(gpu: str, kernel: str, weights: str = "") -> list[TunedEntry]:
-    """Every entry the lookup could use for `kernel` with `weights` on `gpu` (any dims, dtype
-    and row count): the loaded tables' first, then the shipped ones'. A search starts from the
-    nearest of them (fusetune.tuner.seeds)."""
-    return runtime.tuned_entries(_spec(kernel), gpu, weights)
+def tuned_entries(gpu: str, kernel: str, weights: str = "",
+                  activations: str = "") -> list[TunedEntry]:
+    """Every entry the lookup could use for `kernel` with `weights` and `activations` on `gpu`
+    (any dims, dtype and row count): the loaded tables' first, then the shipped ones'. A
+    search starts from the nearest of them (fusetune.tuner.seeds)."""
+    return runtime.tuned_entries(_spec(kernel), gpu, weights, activations)

@@ -135,7 +135,7 @@ def test_gpu_without_dry_run_and_no_gpu(monkeypatch: pytest.MonkeyPatch, interpr
     ("args", "expected"),
     [
         (["search", "--kernel", "layernorm", "--dry-run"],
-         ["unknown kernel 'layernorm'", "valid: ffn, lola, qkv, rmsnorm, rope"]),
+         ["unknown kernel 'layernorm'", "valid: ffn, linear, lola, qkv, rmsnorm, rope"]),
         (["search", "--kernel", "rmsnorm", "--gpu", "v100", "--dry-run"],
          ["unknown GPU 'v100'", "rtx-3090", "h100-sxm", "h200"]),
         (["search", "--kernel", "rmsnorm", "--dry-run", "--dtype", "float64"],
@@ -302,9 +302,9 @@ def test_export_update(db_url: str, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     assert "1 entries replaced, 1 added, 1 kept (3 in all)" in r.output
     back = fusetune.tables.read_tables(table)
-    assert back.groups[("h100-sxm", "rmsnorm", (("dim", 64),), "float16", "")] == [
+    assert back.groups[("h100-sxm", "rmsnorm", (("dim", 64),), "float16", "", "")] == [
         (1, cfg), (8, cfg)]
-    assert len(back.groups[("h100-sxm", "rmsnorm", (("dim", 64),), "bfloat16", "")]) == 1
+    assert len(back.groups[("h100-sxm", "rmsnorm", (("dim", 64),), "bfloat16", "", "")]) == 1
     table.write_text("gpus: []\n")
     r = invoke("export", str(table), "--update", "--db", db_url)
     assert r.exit_code != 0 and "missing top-level field" in r.output
@@ -364,7 +364,7 @@ def test_search_show_export_lookup(db_url: str, tmp_path: Path, fresh_tables: No
         warnings.simplefilter("error", fusetune.FusetuneWarning)
         mod._launch_2d = lambda *a: (launched.append(dict(a[-1])), real(*a))  # type: ignore
         try:
-            y = fusetune.rmsnorm(x, w)
+            y = fusetune.rmsnorm(x, w, eps=1e-6)
         finally:
             mod._launch_2d = real
     assert launched == [winners[(3, 1)]]
@@ -501,7 +501,7 @@ def test_runtime_import_does_not_load_optuna_or_sqlalchemy(tmp_path: Path) -> No
         "cfg = fusetune.lookup('rmsnorm', {'dim': 64}, 'float16', rows=2)\n"
         "assert cfg['BLOCK_D'] == 64, cfg\n"
         "if not torch.cuda.is_available():\n"
-        "    y = fusetune.rmsnorm(torch.randn(2, 64), torch.ones(64))\n"
+        "    y = fusetune.rmsnorm(torch.randn(2, 64), torch.ones(64), eps=1e-6)\n"
         "    assert y.shape == (2, 64)\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('optuna', 'sqlalchemy'))\n"
         "assert 'optuna' not in sys.modules and 'sqlalchemy' not in sys.modules, bad\n"

@@ -155,15 +155,16 @@ def test_datasheet_numbers() -> None:
     assert resolve("l4").bandwidth_gbs == 300
     assert resolve("4090").compute_capability == (8, 9)
     assert resolve("h200").memory_gb == 141
-    # The rate that bounds a point's products: FP8 weights on FP8 tensor cores at the FP8 rate,
-    # elsewhere the activations' 16-bit rate.
+    # The rate that bounds a point's products: FP8 activations on FP8 tensor cores at the FP8
+    # rate, elsewhere (weight-only FP8 included: its weights are upcast) the activations'
+    # 16-bit rate.
     h100 = resolve("h100")
-    assert h100.peak_tflops("float16", "fp8-e4m3") == 1979
-    assert h100.peak_tflops("bfloat16", "fp8-e5m2") == 1979
+    assert h100.peak_tflops("float16", "fp8") == 1979
+    assert h100.peak_tflops("bfloat16", "fp8") == 1979
     assert h100.peak_tflops("bfloat16") == h100.peak_bf16_tflops == 989
-    assert r3090.peak_tflops("float16", "fp8-e4m3") == 71  # no FP8 tensor cores: upcast
-    assert resolve("4090").peak_tflops("float16", "fp8-e4m3") == 330.3
-    assert INTERPRETER.peak_tflops("float16", "fp8-e4m3") is None
+    assert r3090.peak_tflops("float16", "fp8") == 71  # no FP8 tensor cores
+    assert resolve("4090").peak_tflops("float16", "fp8") == 330.3
+    assert INTERPRETER.peak_tflops("float16", "fp8") is None
     for spec in CATALOGUE:
         assert spec.regs_per_block == 65536
         assert spec.regs_per_thread == 255

@@ -66,12 +66,13 @@ def test_which_points_are_timed_as_graphs(monkeypatch: pytest.MonkeyPatch) -> No
     prefill = Point.make("ffn", dims, 1, 4096, "float16")
     # 180 MB of weights at 3.35 TB/s; 4096 rows: 0.74 TFLOP at the fp16 peak
     assert 50 < floor_us(spec, decode, "cuda") < GRAPH_BELOW_US < floor_us(spec, prefill, "cuda")
-    # FP8 weights at 1024 rows: 0.18 TFLOP, 187 µs at the fp16 peak but 93 µs at the FP8 one,
-    # which the ACT_FP8 configs multiply at. Timed as plain launches (the floor taken at the
-    # fp16 peak), those configs ran near the launch path's CPU time there, and a search picked
-    # the default at 230 µs over configs of 176.
-    fp8 = Point.make("ffn", dims, 1024, 1, "float16", "fp8-e4m3")
+    # FP8 activations at 1024 rows: 0.18 TFLOP, 187 µs at the fp16 peak but 93 µs at the FP8
+    # one they multiply at: timed as graph replays, as a launch path slower than the kernel
+    # would time the CPU. Weight-only FP8 multiplies at the 16-bit rate.
+    fp8 = Point.make("ffn", dims, 1024, 1, "float16", "fp8-e4m3", "fp8")
     assert 80 < floor_us(spec, fp8, "cuda") < GRAPH_BELOW_US
+    weight_only = Point.make("ffn", dims, 1024, 1, "float16", "fp8-e4m3")
+    assert floor_us(spec, weight_only, "cuda") > GRAPH_BELOW_US
     assert floor_us(spec, Point.make("ffn", dims, 1024, 1, "float16"), "cuda") > GRAPH_BELOW_US
     small = Point.make("ffn", {"dim": 64, "hidden": 48}, 1, 3, "float32")
     assert not Evaluator(spec, small, "interpreter", "cpu").graphs

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import sys
-import types
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -20,12 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fusetune  # noqa: E402
-from fusetune.kernels.fp8 import quantize_fp8  # noqa: E402
-
-HAS_OPS = importlib.util.find_spec("fusetune.ops") is not None
-needs_ops = pytest.mark.skipif(not HAS_OPS, reason="fusetune/ops.py (the fused custom ops that "
-                               "fusetune.patch calls) does not exist yet")
-
+from fusetune.kernels.fp8 import quantize_fp8, quantize_rows  # noqa: E402
 
 # --- the ops' contract in plain torch ----------------------------------------------------------
 
@@ -35,9 +29,14 @@ def ref_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-def _matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def _matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+            fp8_activations: bool = False) -> torch.Tensor:
     wf = w.float() if scale is None else w.float() * scale[:, None]
-    return x.float() @ wf.T
+    xf = x.float()
+    if fp8_activations:  # the rows rounded to e4m3 with a scale each, as the kernels do
+        q, s = quantize_rows(xf)
+        xf = q.float() * s[..., None]
+    return xf @ wf.T
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -49,22 +48,23 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) 
 
 
 def ref_qkv(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, bq=None, bk=None, bv=None,
-            wq_scale=None, wk_scale=None, wv_scale=None):
+            wq_scale=None, wk_scale=None, wv_scale=None, fp8_activations=False):
     n = ref_rmsnorm(x.float(), rms_weight, eps)
-    q, k, v = (_matmul(n, w, s) + (0 if b is None else b.float())
+    q, k, v = (_matmul(n, w, s, fp8_activations) + (0 if b is None else b.float())
                for w, b, s in ((wq, bq, wq_scale), (wk, bk, wk_scale), (wv, bv, wv_scale)))
     return (_rope(q, cos, sin, head_dim).to(x.dtype), _rope(k, cos, sin, head_dim).to(x.dtype),
             v.to(x.dtype))
 
 
-def ref_ffn(x, rms_weight, w_gate, w_up, eps, gate_scale=None, up_scale=None):
+def ref_ffn(x, rms_weight, w_gate, w_up, eps, gate_scale=None, up_scale=None,
+            fp8_activations=False):
     n = ref_rmsnorm(x.float(), rms_weight, eps)
-    return (torch.nn.functional.silu(_matmul(n, w_gate, gate_scale))
-            * _matmul(n, w_up, up_scale)).to(x.dtype)
+    return (torch.nn.functional.silu(_matmul(n, w_gate, gate_scale, fp8_activations))
+            * _matmul(n, w_up, up_scale, fp8_activations)).to(x.dtype)
 
 
-def ref_linear(x, weight, bias=None, residual=None, weight_scale=None):
-    y = _matmul(x, weight, weight_scale)
+def ref_linear(x, weight, bias=None, residual=None, weight_scale=None, fp8_activations=False):
+    y = _matmul(x, weight, weight_scale, fp8_activations)
     for t in (bias, residual):
         if t is not None:
             y = y + t.float()
@@ -85,14 +85,7 @@ def ref_ops(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
             return fn(*args, **kwargs)
         return call
 
-    if HAS_OPS:
-        module = importlib.import_module("fusetune.ops")
-    else:
-        module = types.ModuleType("fusetune.ops")
-        monkeypatch.setitem(sys.modules, "fusetune.ops", module)
-        # as an import of the real module would: torch.compile resolves `from fusetune import
-        # ops` as an attribute of the package
-        monkeypatch.setattr(fusetune, "ops", module, raising=False)
+    module = importlib.import_module("fusetune.ops")
     for name, fn in REFERENCES.items():
         monkeypatch.setattr(module, name, counted(name, fn), raising=False)
     yield calls
@@ -262,10 +255,24 @@ def test_fp8_weights(fmt: str, ref_ops: dict[str, int], capsys: pytest.CaptureFi
         fusetune.unpatch(model)
 
 
+def test_fp8_activations_only_when_asked(ref_ops: dict[str, int]) -> None:
+    """FP8 weights are weight-only unless patch is asked for FP8 activations: then every
+    projection's input is rounded to e4m3 per row (the reference ops do it as the kernels do),
+    and the logits stay within a few percent of the weight-only model's."""
+    weight_only = fusetune.patch(tiny("llama"), weights="fp8-e4m3")
+    act = fusetune.patch(tiny("llama"), weights="fp8-e4m3", activations="fp8")
+    ids, mask = prompts()
+    a, b = logits(weight_only, ids, mask), logits(act, ids, mask)
+    assert 0 < rel_err(b, a) <= 0.1
+    with pytest.raises(ValueError, match=r"activations='fp8' needs FP8 weights"):
+        fusetune.patch(tiny("llama"), activations="fp8")
+    with pytest.raises(ValueError, match=r"activations='int8'; valid: None"):
+        fusetune.patch(tiny("llama"), weights="fp8-e4m3", activations="int8")
+
+
 # --- (b) the real ops --------------------------------------------------------------------------
 
 
-@needs_ops
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_real_ops_match_the_model(kind: str) -> None:
@@ -279,7 +286,6 @@ def test_real_ops_match_the_model(kind: str) -> None:
     assert torch.equal(logits(model, ids, mask), want_logits)
 
 
-@needs_ops
 @pytest.mark.slow
 def test_real_ops_fp8_weights() -> None:
     model = tiny("llama")

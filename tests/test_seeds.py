@@ -183,7 +183,7 @@ def test_a_winner_stored_before_a_flag_existed_seeds_with_the_flags_default(
     plan = search_plan(space, spec, point, gpu)  # sampled: the space of millions
     default = spec.canonical(spec.default_config(point, gpu), point)
     old = {"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "GROUP_M": 1, "PASSES": 1,
-           "SPLIT_K": 1, "ACT_FP8": 0, "UNROLL_K": 1, "TMA": 0, "num_warps": 8,
+           "SPLIT_K": 1, "UNROLL_K": 1, "TMA": 0, "num_warps": 8,
            "num_stages": 1}
     filled = {**old, "SPREAD": 0, "THREAD_SUM": 0}
     other = {**filled, "BLOCK_N": 4}

@@ -189,7 +189,7 @@ def test_export_round_trip(db_url: str, tmp_path: Path) -> None:
     back = tables.read_tables(out)
     assert len(back) == len(want)
     for k, c in want:
-        group = back.groups[(k.gpu, "rmsnorm", (("dim", 64),), k.dtype, "")]
+        group = back.groups[(k.gpu, "rmsnorm", (("dim", 64),), k.dtype, "", "")]
         assert (k.batch * k.seq, c) in group
     # and the runtime reads the file
     tables.load_tables(out)

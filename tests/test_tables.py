@@ -79,7 +79,7 @@ def test_valid_table_loads(tmp_path: Path) -> None:
     t = fusetune.load_tables(path)
     assert len(t) == 3
     assert t.sources == [str(path)]
-    key = ("h100-sxm", "rmsnorm", (("dim", 64),), "float16", "")
+    key = ("h100-sxm", "rmsnorm", (("dim", 64),), "float16", "", "")
     assert t.groups[key] == [(1, CFG_A), (16, CFG_B)]
 
 
@@ -137,7 +137,7 @@ def test_unknown_kernel_named(tmp_path: Path) -> None:
     path = write(tmp_path / "k.yaml", doc({"h100-sxm": [entry()]}, kernel="layernorm"))
     with pytest.raises(fusetune.TableError,
                        match=r"gpus\.h100-sxm\.layernorm: unknown kernel 'layernorm'; valid: "
-                             r"ffn, lola, qkv, rmsnorm, rope"):
+                             r"ffn, linear, lola, qkv, rmsnorm, rope"):
         fusetune.load_tables(path)
 
 
@@ -469,7 +469,7 @@ def test_rmsnorm_launches_with_table_config(tmp_path: Path, monkeypatch: pytest.
     x = torch.randn(2, 2, 64, dtype=torch.float16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", fusetune.FusetuneWarning)
-        fusetune.rmsnorm(x, torch.ones(64, dtype=torch.float16))
+        fusetune.rmsnorm(x, torch.ones(64, dtype=torch.float16), eps=1e-6)
     assert seen == [CFG_I]
 
 
@@ -518,7 +518,7 @@ def test_merge_keeps_rows_sorted(tmp_path: Path) -> None:
     a = write(tmp_path / "a.yaml", doc({"h100-sxm": [entry(1, 512, CFG_C)]}))
     b = write(tmp_path / "b.yaml", doc({"h100-sxm": [entry(1, 1, CFG_A), entry(64, 1, CFG_B)]}))
     t = fusetune.load_tables(a, b)
-    key = ("h100-sxm", "rmsnorm", (("dim", 64),), "float16", "")
+    key = ("h100-sxm", "rmsnorm", (("dim", 64),), "float16", "", "")
     assert [r for r, _ in t.groups[key]] == [1, 64, 512]
     assert t.sources == [str(a), str(b)]
 

@@ -27,6 +27,23 @@ class Base(DeclarativeBase):
     pass
 
 
+# The activation mode of a point (Point.activations) is stored in its `weights` column after
+# this separator ("fp8-e4m3+act=fp8"): the column is part of ft_points' unique key in every
+# database made so far, so the mode keys points apart there without changing the constraint.
+ACTIVATIONS_SEP = "+act="
+
+
+def numerics_column(weights: str, activations: str) -> str:
+    """What ft_points.weights holds for a point of these weights and activation mode."""
+    return f"{weights}{ACTIVATIONS_SEP}{activations}" if activations else weights
+
+
+def split_numerics(column: str) -> tuple[str, str]:
+    """(weights, activations) of an ft_points.weights value (see numerics_column)."""
+    weights, _, activations = column.partition(ACTIVATIONS_SEP)
+    return weights, activations
+
+
 class PointRow(Base):
     """A tuning point, keyed also by what makes results stale (kernel source, Triton, torch)."""
 
@@ -43,6 +60,7 @@ class PointRow(Base):
     batch: Mapped[int] = mapped_column(Integer)
     seq: Mapped[int] = mapped_column(Integer)
     dtype: Mapped[str] = mapped_column(String(16))
+    # The weight format, and the activation mode after ACTIVATIONS_SEP (numerics_column).
     weights: Mapped[str] = mapped_column(String(32), default="")
     backend: Mapped[str] = mapped_column(String(16))
     kernel_hash: Mapped[str] = mapped_column(String(32))
@@ -52,6 +70,16 @@ class PointRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     results: Mapped[list[ResultRow]] = relationship(back_populates="point")
+
+    @property
+    def weight_format(self) -> str:
+        """Point.weights: "", "fp8-e4m3" or "fp8-e5m2"."""
+        return split_numerics(self.weights)[0]
+
+    @property
+    def activations(self) -> str:
+        """Point.activations: "" or "fp8"."""
+        return split_numerics(self.weights)[1]
 
 
 class ResultRow(Base):

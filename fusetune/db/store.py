@@ -28,7 +28,15 @@ from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, Prog
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
-from fusetune.db.models import Base, PointRow, ResultRow, RunningRow, WinnerRow, utcnow
+from fusetune.db.models import (
+    Base,
+    PointRow,
+    ResultRow,
+    RunningRow,
+    WinnerRow,
+    numerics_column,
+    utcnow,
+)
 
 DEFAULT_DB = "sqlite:///fusetune.db"
 POSTGRES_DRIVER = "postgresql+psycopg"  # psycopg 3: pip install 'fusetune[postgres]'
@@ -61,6 +69,7 @@ class PointKey:
     kernel_hash: str
     triton_version: str
     torch_version: str
+    activations: str = ""
 
     @property
     def dims_json(self) -> str:
@@ -70,6 +79,7 @@ class PointKey:
     def study_name(self) -> str:
         dims = ",".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
         w = f"/w={self.weights}" if self.weights else ""
+        w += f"/a={self.activations}" if self.activations else ""
         return (f"fusetune/{self.gpu}/{self.kernel}/{dims}/b={self.batch}/s={self.seq}/"
                 f"{self.dtype}{w}/{self.backend}/k={self.kernel_hash}/"
                 f"triton={self.triton_version}/torch={self.torch_version}")
@@ -220,7 +230,8 @@ class Store:
     def point_id(self, key: PointKey) -> int:
         """Id of the point row for `key`, created if missing (safe against a concurrent insert)."""
         cols = dict(gpu=key.gpu, kernel=key.kernel, dims=key.dims_json, batch=key.batch,
-                    seq=key.seq, dtype=key.dtype, weights=key.weights, backend=key.backend,
+                    seq=key.seq, dtype=key.dtype,
+                    weights=numerics_column(key.weights, key.activations), backend=key.backend,
                     kernel_hash=key.kernel_hash, triton_version=key.triton_version,
                     torch_version=key.torch_version)
         for _ in range(2):
@@ -348,8 +359,8 @@ class Store:
             return list(s.scalars(q).all())
 
     def points_of_shape(self, gpu: str, kernel: str, dims: Mapping[str, int], batch: int,
-                        seq: int, dtype: str, weights: str, backend: str | None = None
-                        ) -> list[tuple[PointRow, int]]:
+                        seq: int, dtype: str, weights: str, backend: str | None = None,
+                        activations: str = "") -> list[tuple[PointRow, int]]:
         """The stored points of one shape of `kernel` on `gpu`, whatever kernel version, Triton
         and torch they were measured with (and of one backend if given), each with its number
         of stored results: the most results first, then the newest."""
@@ -357,7 +368,8 @@ class Store:
         q = (select(PointRow, n).outerjoin(ResultRow, ResultRow.point_id == PointRow.id)
              .where(PointRow.gpu == gpu, PointRow.kernel == kernel,
                     PointRow.dims == dims_json(dims), PointRow.batch == batch,
-                    PointRow.seq == seq, PointRow.dtype == dtype, PointRow.weights == weights)
+                    PointRow.seq == seq, PointRow.dtype == dtype,
+                    PointRow.weights == numerics_column(weights, activations))
              .group_by(PointRow.id).order_by(n.desc(), PointRow.id.desc()))
         if backend is not None:
             q = q.where(PointRow.backend == backend)

@@ -2,6 +2,7 @@
 
     model = fusetune.patch(model)                       # in place; returns the model
     model = fusetune.patch(model, weights="fp8-e4m3")   # projections stored in FP8, once
+    model = fusetune.patch(model, weights="fp8-e4m3", activations="fp8")  # FP8 products too
     fusetune.unpatch(model)                             # the model's own forwards again
 
 What is swapped, per family (Llama, Mistral, Qwen2): the `forward` of module *instances* (never
@@ -90,17 +91,24 @@ class PatchState:
 
     family: str
     weights: str  # "" (the model's own weights) or an FP8 format
+    activations: str = ""  # "" (the model's dtype) or "fp8"
     forwards: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (module, bound fwd)
 
 
-def patch(model: nn.Module, *, weights: str | None = None) -> nn.Module:
+def patch(model: nn.Module, *, weights: str | None = None,
+          activations: str | None = None) -> nn.Module:
     """Runs the transformers causal LM `model` (Llama, Mistral, Qwen2 families; also their base
     models, e.g. LlamaModel) through fusetune's fused ops, in place; returns `model`.
 
     weights: None keeps the model's weights; "fp8-e4m3" or "fp8-e5m2" quantizes every
     projection (q, k, v, o, gate, up, down) once, with one float32 scale per output channel
     (`fusetune.quantize_fp8`), frees the 16-bit copies and prints the memory before and after.
-    The activations stay in the model's dtype (weight-only FP8).
+
+    activations: None keeps the activations in the model's dtype: FP8 weights are then
+    weight-only, and every projection matches the dequantized weights within the 16-bit
+    tolerance. "fp8" (with FP8 weights, on GPUs with FP8 tensor cores) rounds each
+    projection's input to e4m3 per row as well: faster products at prefill, a few percent of
+    error per projection. Only the caller chooses it; no table or tuned config can.
 
     Everything is checked before anything changes: an unsupported model raises ValueError and is
     left as it was. The patched layers have no backward pass: with gradients enabled and a
@@ -110,6 +118,12 @@ def patch(model: nn.Module, *, weights: str | None = None) -> nn.Module:
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ValueError(f"fusetune.patch: weights={weights!r}; valid: None (the model's own "
                          f"weights), {', '.join(repr(w) for w in WEIGHT_FORMATS)}")
+    if activations not in (None, "fp8"):
+        raise ValueError(f"fusetune.patch: activations={activations!r}; valid: None (the "
+                         "model's dtype), 'fp8' (with FP8 weights)")
+    if activations and not weights:
+        raise ValueError("fusetune.patch: activations='fp8' needs FP8 weights: pass "
+                         f"weights={WEIGHT_FORMATS[0]!r} (or {WEIGHT_FORMATS[1]!r}) too")
     family, base = _recognise(model, "fusetune.patch")
     if getattr(base, _STATE, None) is not None:
         state: PatchState = getattr(base, _STATE)
@@ -118,15 +132,21 @@ def patch(model: nn.Module, *, weights: str | None = None) -> nn.Module:
     _check(family, base)
     from fusetune import ops  # noqa: F401  (fails here, not in the first forward, if missing)
 
-    state = PatchState(family.name, weights or "")
+    if activations:
+        from fusetune.kernels import fp8 as fp8_kernels
+
+        fp8_kernels.check_fp8_activations("fusetune.patch", weights or "",
+                                          next(base.parameters()).device)
+    state = PatchState(family.name, weights or "", activations or "")
     if weights:
         _quantize(base, weights.removeprefix("fp8-"))
     eager = family.modeling().eager_attention_forward
     fp8 = bool(weights)
+    act = bool(activations)
     for layer in base.layers:
         _bind(state, layer.self_attn,
-              _attention_forward(layer.input_layernorm, family.sliding_window, eager, fp8))
-        _bind(state, layer, _layer_forward(fp8))
+              _attention_forward(layer.input_layernorm, family.sliding_window, eager, fp8, act))
+        _bind(state, layer, _layer_forward(fp8, act))
     _bind(state, base.norm, _norm_forward)
     setattr(base, _STATE, state)
     _drop_compiled(model)
@@ -344,7 +364,8 @@ def _scale(lin: nn.Module, fp8: bool) -> torch.Tensor | None:
 
 
 def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], int | None] | None,
-                       eager: Callable[..., Any], fp8: bool) -> Callable[..., Any]:
+                       eager: Callable[..., Any], fp8: bool, act: bool = False
+                       ) -> Callable[..., Any]:
     """The attention module's forward (signature of transformers 5.17's LlamaAttention.forward),
     with the layer's input norm folded in and the residual add after o_proj."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -364,7 +385,7 @@ def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], in
                           v_proj.weight, cos, sin, norm.variance_epsilon, self.head_dim,
                           bq=q_proj.bias, bk=k_proj.bias, bv=v_proj.bias,
                           wq_scale=_scale(q_proj, fp8), wk_scale=_scale(k_proj, fp8),
-                          wv_scale=_scale(v_proj, fp8))
+                          wv_scale=_scale(v_proj, fp8), fp8_activations=act)
         query_states = q.view(head_shape).transpose(1, 2)
         key_states = k.view(head_shape).transpose(1, 2)
         value_states = v.view(head_shape).transpose(1, 2)
@@ -383,13 +404,13 @@ def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], in
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         o_proj = self.o_proj
         out = ops.linear(attn_output, o_proj.weight, residual=hidden_states,
-                         weight_scale=_scale(o_proj, fp8))
+                         weight_scale=_scale(o_proj, fp8), fp8_activations=act)
         return out, attn_weights
 
     return forward
 
 
-def _layer_forward(fp8: bool) -> Callable[..., Any]:
+def _layer_forward(fp8: bool, act: bool = False) -> Callable[..., Any]:
     """The decoder layer's forward (signature and return convention of transformers 5.17's
     LlamaDecoderLayer.forward: the new hidden states alone)."""
 
@@ -410,9 +431,9 @@ def _layer_forward(fp8: bool) -> Callable[..., Any]:
         norm, mlp = self.post_attention_layernorm, self.mlp
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         h = ops.ffn(hidden_states, norm.weight, gate.weight, up.weight, norm.variance_epsilon,
-                    gate_scale=_scale(gate, fp8), up_scale=_scale(up, fp8))
+                    gate_scale=_scale(gate, fp8), up_scale=_scale(up, fp8), fp8_activations=act)
         return ops.linear(h, down.weight, residual=hidden_states,
-                          weight_scale=_scale(down, fp8))
+                          weight_scale=_scale(down, fp8), fp8_activations=act)
 
     return forward
 

@@ -426,20 +426,18 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
     else:
         c = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2,
              "SPLIT_K": 1, "num_warps": 8, "num_stages": 3}
-    # FP8 weights after a norm pass, on GPUs with FP8 tensor cores: FP8 activations too
-    # (ACT_FP8 = 1), so that the tiles reach the tensor cores as loaded, at the FP8 rate,
-    # instead of being upcast in registers on the way. Elsewhere the weights are upcast
-    # (ACT_FP8 = 0), what every GPU can run.
-    fp8_mma = bool(point.weights) and gpu.fp8_tensor_cores and c["PASSES"] == 2
-    c["ACT_FP8"] = int(fp8_mma)
+    if point.fp8_activations:  # the norm pass chooses each row's scale first
+        c["PASSES"] = 2
     c["UNROLL_K"] = 0
     c["SPREAD"] = 0
     c["THREAD_SUM"] = 0
-    # Tiles through TMA descriptors at thousands of rows, 16-bit weights: the copy engine
-    # fills the pipeline's buffers with no address arithmetic or masks in the loop, which pays
-    # for long products; at a few hundred rows TMA tiles were slower, so pointers stay there.
-    # Where the structure has no TMA loop, canonical drops it.
-    c["TMA"] = int(gpu.tma and m >= 2048 and k >= TMA_MIN_K and not point.weights)
+    # Tiles through TMA descriptors at thousands of rows, operands that reach the tensor cores
+    # as loaded (16-bit weights, or FP8 beside FP8 activations): the copy engine fills the
+    # pipeline's buffers with no address arithmetic or masks in the loop, which pays for long
+    # products; at a few hundred rows TMA tiles were slower, so pointers stay there. Where the
+    # structure has no TMA loop, canonical drops it.
+    as_loaded = not point.weights or point.fp8_activations
+    c["TMA"] = int(gpu.tma and m >= 2048 and k >= TMA_MIN_K and as_loaded)
     if m == 1:
         # A GEMV streams the weights once: split K until there are about four programs per SM,
         # so that every SM keeps loads in flight to the end.
@@ -476,11 +474,8 @@ def collapse_tiles(config: Config, rows: int, n: int, k: int) -> Config:
         # either way.
         c["SPREAD"] = 0
     if c["BLOCK_M"] == 1:
-        # The GEMV loop has no software pipeline (num_stages changes nothing) and no tensor
-        # cores to feed FP8 activations to.
+        # The GEMV loop has no software pipeline: num_stages changes nothing.
         c["num_stages"] = 1
-        if "ACT_FP8" in c:
-            c["ACT_FP8"] = 0
     else:
         c["BLOCK_N"] = max(c["BLOCK_N"], 16)  # tl.dot needs 16 columns
         if "UNROLL_K" in c:  # the tensor-core loop is pipelined by num_stages instead
@@ -554,11 +549,11 @@ def tma_descriptors(kernel: str, config: Config, w_fp8: int, x: torch.Tensor,
 def collapse_tma(config: Config, point: Point, k: int, kernel_has_tma: bool = True) -> Config:
     """TMA = 1 only where the K loop can take it: a kernel with the TMA loop
     (`kernel_has_tma`), tensor-core tiles (BLOCK_M > 1) that reach the MMA untouched
-    (PASSES = 2; weights in x's dtype, or FP8 weights with ACT_FP8 = 1, which is final here:
-    fp8.collapse_act_fp8 comes first), boxes of at most TMA_MAX_BOX per side, and rows of k
-    elements that start on 16-byte boundaries (what a descriptor needs)."""
+    (PASSES = 2; weights in x's dtype, or FP8 weights beside FP8 activations), boxes of at
+    most TMA_MAX_BOX per side, and rows of k elements that start on 16-byte boundaries (what a
+    descriptor needs)."""
     c = dict(config)
-    fp8_operands = bool(point.weights) and bool(c.get("ACT_FP8"))
+    fp8_operands = bool(point.weights) and point.fp8_activations
     elt = 1 if fp8_operands else DTYPE_BYTES[point.dtype]
     if c.get("TMA") and not (
             kernel_has_tma and tma_structure(c) and (not point.weights or fp8_operands)

@@ -26,25 +26,26 @@ from fusetune.kernels._matmul import (
     tma_smem,
 )
 from fusetune.kernels._spec import (
+    ACTIVATION_MODES,
     DTYPE_BYTES,
     WEIGHT_FORMATS,
     Config,
+    ConfigError,
     Point,
     Resources,
 )
 
 # The tunables every matmul kernel has (the YAML spaces and tables name exactly these), and
 # the tolerance its output is checked with (float32 accumulation of fp16/bf16 products).
-# ACT_FP8 (0/1, see fp8.py), UNROLL_K (0/1: the GEMV structure's K loop takes two K-steps per
+# UNROLL_K (0/1: the GEMV structure's K loop takes two K-steps per
 # iteration, see _matmul.gemv_two_products), SPREAD (0/1: a GEMV program's output rows lie far
 # apart, see _matmul.block_rows), THREAD_SUM (0/1: a GEMV thread adds the products of its
 # 16-byte run of a weight row up before accumulating, see _matmul.gemv_two_products) and TMA
 # (0/1: the tensor-core loop reads its tiles through TMA descriptors, see
 # _matmul.tma_two_products) may be left out of a config: tables written before them mean 0.
 MATMUL_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K",
-                      "ACT_FP8", "UNROLL_K", "SPREAD", "THREAD_SUM", "TMA", "num_warps",
-                      "num_stages")
-MATMUL_FLAGS = {"ACT_FP8": 0, "UNROLL_K": 0, "SPREAD": 0, "THREAD_SUM": 0, "TMA": 0}
+                      "UNROLL_K", "SPREAD", "THREAD_SUM", "TMA", "num_warps", "num_stages")
+MATMUL_FLAGS = {"UNROLL_K": 0, "SPREAD": 0, "THREAD_SUM": 0, "TMA": 0}
 MATMUL_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
 MATMUL_TOLERANCE = {"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
 # How far down in rows a matmul table entry serves (KernelSpec.row_reach): one tuned for R rows
@@ -61,7 +62,8 @@ MATMUL_SPEC_FIELDS: dict[str, Any] = {
     "tolerance": MATMUL_TOLERANCE,
     "flags": MATMUL_FLAGS,
     "weight_formats": WEIGHT_FORMATS,
-    "config_tolerance": fp8.config_tolerance,
+    "activation_modes": ACTIVATION_MODES,
+    "activation_tolerance": fp8.ACT_FP8_TOLERANCE,
     "row_reach": MATMUL_ROW_REACH,
 }
 
@@ -69,11 +71,12 @@ MATMUL_SPEC_FIELDS: dict[str, Any] = {
 def matmul_canonical(config: Config, point: Point, n: int, k: int,
                      has_tma: Callable[[Config], bool] | None = None) -> Config:
     """The canonical config of a matmul over [point.rows, k] x [k, n]: tiles collapsed to the
-    matrix (_matmul.collapse_tiles), then ACT_FP8 (fp8.collapse_act_fp8), then TMA
+    matrix (_matmul.collapse_tiles), then the FP8 activations' needs
+    (fp8.collapse_fp8_activations), then TMA
     (_matmul.collapse_tma), where `has_tma` says whether the kernel has the TMA loop for the
     config so far (None: for every config)."""
     c = collapse_tiles(config, point.rows, n, k)
-    c = fp8.collapse_act_fp8(c, point, k)
+    c = fp8.collapse_fp8_activations(c, point, k)
     return collapse_tma(c, point, k, kernel_has_tma=has_tma is None or has_tma(c))
 
 
@@ -95,7 +98,7 @@ def matmul_resources(config: Config, point: Point, *, n_weights: int, epilogue: 
     elt = DTYPE_BYTES[point.dtype]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     threads = 32 * config["num_warps"]
-    operands = fp8.operand_bytes(config, point)
+    operands = fp8.operand_bytes(point)
     x_elt, w_elt, converted = operands
     if bm == 1:
         return gemv_resources(config, point.rows, w_elt,
@@ -111,7 +114,7 @@ def matmul_resources(config: Config, point: Point, *, n_weights: int, epilogue: 
     regs = ((n_weights * bm * bn + (bm * bk * x_elt + n_weights * bk * bn * w_bytes) // 4
              + extra_regs) // threads + base_regs)
     return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads,
-                     fp8_mma=fp8.act_fp8(config, point.weights), tma=tma)
+                     fp8_mma=point.fp8_activations, tma=tma)
 
 
 def weight_bytes(point: Point, n: int, k: int) -> int:
@@ -122,35 +125,36 @@ def weight_bytes(point: Point, n: int, k: int) -> int:
     return n * k * DTYPE_BYTES[point.dtype]
 
 
-def first_pass(kernel: str, x: torch.Tensor, g: torch.Tensor | None, eps: float,
-               config: Config, w_dtype: torch.dtype,
-               norm: Callable[[torch.Tensor], torch.Tensor]
-               ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """(the activations as the K loop reads them, their row scales, ACT_FP8) for a launch of
-    `config` with weights of `w_dtype`. With FP8 weights and ACT_FP8 = 1 the norm pass writes
-    the rows in e4m3 with a scale each (fp8.norm_fp8_rows: RMSNorm with the weight g, LayerNorm
-    without affine where g is None) and the K loop multiplies FP8 by FP8; else with PASSES = 2
-    the kernel's own norm pass `norm(x)` runs first; else the norm folds into the K loop and
-    x is read as it is. The scales are None unless ACT_FP8."""
-    act = fp8.act_fp8(config, fp8.weights_key(w_dtype))
+def first_pass(x: torch.Tensor, g: torch.Tensor | None, eps: float, config: Config,
+               act: bool, norm: Callable[[torch.Tensor], torch.Tensor] | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the activations as the K loop reads them, their row scales) for a launch of `config`.
+    With FP8 activations (`act`, the caller's mode) the pass always runs, whatever the config:
+    it writes the normalized rows in e4m3 with a scale each (fp8.norm_fp8_rows: RMSNorm with
+    the weight g, LayerNorm without affine where g is None) and the K loop multiplies FP8 by
+    FP8. Else with PASSES = 2 the kernel's own norm pass `norm(x)` runs first; else the norm
+    folds into the K loop and x is read as it is. A kernel without a norm (`norm` None) reads
+    x as it is, or quantized without a norm. The scales are None unless `act`."""
     if act:
-        fp8.check_act_fp8(kernel, x.device)
-        xq, sx = fp8.norm_fp8_rows(x, g, eps)
-        return xq, sx, act
-    return (norm(x) if config["PASSES"] == 2 else x), None, act
+        if config["BLOCK_M"] > 1 and config["BLOCK_K"] < 32:
+            raise ConfigError(f"BLOCK_K={config['BLOCK_K']} with FP8 activations: tensor-core "
+                              "tiles of 8-bit operands need BLOCK_K >= 32")
+        return fp8.norm_fp8_rows(x, g, eps, norm=norm is not None)
+    return (norm(x) if norm is not None and config["PASSES"] == 2 else x), None
 
 
 def launch_args(config: Config, *, act: bool, w_fp8: int, ieee: bool, w_scaled: bool,
                 tma: bool) -> dict[str, Any]:
     """The constexpr and launch arguments every matmul kernel takes for a launch of `config`
     (all but FINISH, which differs between the launches of a split-K product): the tiles,
-    ACT_FP8 as first_pass decided it, how the weight tiles are read (W_FP8, fp8.W_*), whether
-    there are channel scales (W_SCALED), exact float32 products (IEEE), the one-row
-    structure's flags and whether TMA descriptors are passed."""
+    the FP8 activations (ACT_FP8: `act`, the caller's mode; the norm then ran as its own pass,
+    PASSES = 2), how the weight tiles are read (W_FP8, fp8.W_*), whether there are channel
+    scales (W_SCALED), exact float32 products (IEEE), the one-row structure's flags and whether
+    TMA descriptors are passed."""
     return {
         "BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"],
         "BLOCK_K": config["BLOCK_K"], "GROUP_M": config["GROUP_M"],
-        "PASSES": config["PASSES"], "SPLIT_K": config["SPLIT_K"], "IEEE": ieee,
+        "PASSES": 2 if act else config["PASSES"], "SPLIT_K": config["SPLIT_K"], "IEEE": ieee,
         "W_FP8": w_fp8, "ACT_FP8": act, "W_SCALED": w_scaled,
         "UNROLL_K": config.get("UNROLL_K", 0), "SPREAD": gemv_flag(config, "SPREAD"),
         "TMA": tma, "THREAD_SUM": gemv_flag(config, "THREAD_SUM"),

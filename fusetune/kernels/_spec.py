@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,11 @@ WEIGHT_FORMATS: tuple[str, ...] = ("fp8-e4m3", "fp8-e5m2")
 # activations (the kernels read other weights in x's dtype), which means Point.weights "".
 WEIGHT_CHOICES: tuple[str, ...] = (*WEIGHT_FORMATS, "fp16", "bf16")
 _SIXTEEN_BIT = {"fp16": "float16", "bf16": "bfloat16"}
+# How the activations enter a matmul with FP8 weights besides "" (in their own 16-bit dtype:
+# weight-only FP8, what FP8 weights mean unless the caller asks for more): "fp8", rounded to
+# e4m3 with one scale per row and multiplied by the weights on the FP8 tensor cores. A mode
+# changes the results, so it is the caller's choice and part of every key, never a tunable.
+ACTIVATION_MODES: tuple[str, ...] = ("fp8",)
 
 
 class ConfigError(ValueError):
@@ -44,6 +50,8 @@ class Point:
 
     `weights` is the weight storage format for kernels that have weights ("" means "same as the
     activations"); it is part of every key so that FP8 weights never share entries with fp16.
+    `activations` is how FP8 weights meet the activations ("": in their dtype; "fp8": rounded
+    to FP8, see ACTIVATION_MODES), part of every key too: the two modes give other results.
     """
 
     kernel: str
@@ -52,12 +60,18 @@ class Point:
     seq: int
     dtype: str
     weights: str = ""
+    activations: str = ""
 
     @staticmethod
     def make(
-        kernel: str, dims: Mapping[str, int], batch: int, seq: int, dtype: str, weights: str = ""
+        kernel: str, dims: Mapping[str, int], batch: int, seq: int, dtype: str, weights: str = "",
+        activations: str = "",
     ) -> Point:
-        return Point(kernel, tuple(sorted(dims.items())), batch, seq, dtype, weights)
+        return Point(kernel, tuple(sorted(dims.items())), batch, seq, dtype, weights, activations)
+
+    @property
+    def fp8_activations(self) -> bool:
+        return self.activations == "fp8"
 
     @property
     def dim(self) -> dict[str, int]:
@@ -75,7 +89,8 @@ class Point:
     @property
     def label(self) -> str:
         w = f" w={self.weights}" if self.weights else ""
-        return f"{self.kernel} {self.dims_label} b={self.batch} s={self.seq} {self.dtype}{w}"
+        a = f" a={self.activations}" if self.activations else ""
+        return f"{self.kernel} {self.dims_label} b={self.batch} s={self.seq} {self.dtype}{w}{a}"
 
 
 def point_weights(fmt: str, dtype: str) -> str:
@@ -93,6 +108,21 @@ def point_weights(fmt: str, dtype: str) -> str:
     return ""
 
 
+def point_activations(mode: str | None, weights: str) -> str:
+    """`Point.activations` for the activation mode `mode` ("fp8", or None / "" / "16bit" for the
+    activations' own dtype) with weights `weights` (Point.weights); FP8 activations only beside
+    FP8 weights."""
+    if mode in (None, "", "16bit"):
+        return ""
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"unknown activation mode {mode!r}; valid: 16bit (the activations' "
+                         f"dtype), {', '.join(ACTIVATION_MODES)}")
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"activations {mode!r} need FP8 weights ({', '.join(WEIGHT_FORMATS)}); "
+                         f"the weights are {weights or 'in the activations dtype'}")
+    return mode
+
+
 @dataclass(frozen=True)
 class Resources:
     """Predicted per-program resources of a compiled config (for pruning before compiling)."""
@@ -100,7 +130,7 @@ class Resources:
     smem_bytes: int
     regs_per_thread: int
     threads: int
-    fp8_mma: bool = False  # tl.dot on FP8 operands: needs FP8 tensor cores
+    fp8_mma: bool = False  # FP8 activations: need Triton's FP8 types and FP8 tensor cores
     tma: bool = False  # tiles read through TMA descriptors: needs compute capability 9.0+
     unfit: str = ""  # why the config's structure cannot serve the point at all ("name: ...")
 
@@ -138,8 +168,9 @@ class KernelSpec:
     - `flags`: config keys whose value is 0 or 1, with the value a config that leaves them out
       means (tables and configs written before the key existed stay valid).
     - `weight_formats`: the Point.weights values besides "" that `make_inputs` can build.
-    - `config_tolerance(point, config)`: the tolerance of one config where it depends on more
-      than the dtype (FP8 activations); None to use `tolerance`.
+    - `activation_modes`: the Point.activations values besides "" the kernel can run, with
+      `activation_tolerance`, the tolerance of those modes per activation dtype (FP8
+      activations round the inputs of every product: one looser bound for every config).
     - `row_reach`: a table entry tuned for R rows serves a lookup of r rows only where
       R < row_reach · r (None: any r <= R); see `runtime._covering`.
     """
@@ -165,7 +196,8 @@ class KernelSpec:
     source_objects: tuple[Any, ...] = ()
     flags: Mapping[str, int] = field(default_factory=dict)
     weight_formats: tuple[str, ...] = ()
-    config_tolerance: Callable[[Point, Config], float | None] | None = None
+    activation_modes: tuple[str, ...] = ()
+    activation_tolerance: Mapping[str, float] = field(default_factory=dict)
     row_reach: int | None = None
 
     def point_weights(self, fmt: str, dtype: str) -> str:
@@ -180,12 +212,20 @@ class KernelSpec:
                              f"{', '.join(self.weight_formats)} or the activations' dtype")
         return key
 
-    def tolerance_for(self, point: Point, config: Mapping[str, int] | None = None) -> float:
-        """‖out − ref‖ / ‖ref‖ allowed for `config` at `point`."""
-        if self.config_tolerance is not None and config is not None:
-            tol = self.config_tolerance(point, dict(config))
-            if tol is not None:
-                return tol
+    def point_activations(self, mode: str | None, weights: str) -> str:
+        """Point.activations for activation mode `mode` beside weights `weights` (see
+        `point_activations`); ValueError where this kernel cannot run the mode."""
+        key = point_activations(mode, weights)
+        if key and key not in self.activation_modes:
+            raise ValueError(f"activations {mode!r}: {self.name} runs its activations in their "
+                             "own dtype only")
+        return key
+
+    def tolerance_for(self, point: Point) -> float:
+        """‖out − ref‖ / ‖ref‖ allowed at `point`: one bound for every config of the point (its
+        activation mode's), so that no config passes with numerics another would fail."""
+        if point.activations:
+            return self.activation_tolerance[point.dtype]
         return self.tolerance[point.dtype]
 
     @property
@@ -214,6 +254,10 @@ class KernelSpec:
                 parts.append(f"unknown {', '.join(map(str, unknown))}")
             optional = (f"; {', '.join(f'{k} (default {v})' for k, v in self.flags.items())} "
                         "may be left out" if self.flags else "")
+            if "ACT_FP8" in unknown:  # a key of older tables and configs
+                optional += ("; ACT_FP8 is no config key: FP8 activations change the results, "
+                             "so they are the caller's mode (fp8_activations=True; in a table "
+                             "an entry's `activations: fp8`), never a tuning value")
             raise ConfigError(
                 f"{where}: {'; '.join(parts)} (a {self.name} config has exactly "
                 f"{', '.join(self.config_keys)}{optional})"
@@ -244,8 +288,8 @@ def check_fits(res: Resources, gpu: GpuSpec) -> str | None:
         return res.unfit
     if res.fp8_mma and not gpu.fp8_tensor_cores:
         major, minor = gpu.compute_capability
-        return (f"fp8-tensor-cores: ACT_FP8=1 needs FP8 tensor cores (compute capability 8.9+), "
-                f"{gpu.name} has {major}.{minor}")
+        return (f"fp8-tensor-cores: FP8 activations need FP8 tensor cores (compute capability "
+                f"8.9+), {gpu.name} has {major}.{minor}")
     if res.tma and not gpu.tma:
         major, minor = gpu.compute_capability
         return (f"tma: TMA=1 needs TMA descriptors (compute capability 9.0+), {gpu.name} has "
@@ -274,6 +318,26 @@ def check_device(t: torch.Tensor, kernel: str) -> None:
             f"{kernel}: tensors are on {t.device}; fusetune's kernels run on CUDA tensors (or on "
             "CPU tensors through Triton's interpreter: set TRITON_INTERPRET=1 before importing "
             "fusetune)")
+
+
+def check_eps(kernel: str, eps: float) -> None:
+    """ValueError unless eps is a positive finite number (a norm's epsilon: 0 or less divides
+    zero rows by zero, and a negative one can take the root of a negative number)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        raise ValueError(f"{kernel}: eps={eps!r} must be a positive finite number (the "
+                         "model's norm epsilon, e.g. its config's rms_norm_eps)")
+
+
+def check_no_grad(kernel: str, *tensors: torch.Tensor | None) -> None:
+    """RuntimeError where autograd would record the call: the kernels have no backward pass,
+    so their outputs would be silently detached from the graph."""
+    import torch
+
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"{kernel}: an input requires grad, but fusetune's {kernel} has no backward pass: "
+            "its output would be detached from the graph. Run it under torch.no_grad() or "
+            "torch.inference_mode(), or pass detached tensors.")
 
 
 def as_rows(t: torch.Tensor, d: int) -> torch.Tensor:

@@ -9,8 +9,9 @@ dtype or in FP8 with per-output-channel scales (fp8.py): the scales multiply a a
 epilogue, before silu.
 
 Tunables (search_spaces/ffn.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (programs that share
-weight tiles are launched together for L2 reuse), PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD,
-THREAD_SUM, TMA, num_warps, num_stages.
+weight tiles are launched together for L2 reuse), PASSES, SPLIT_K, UNROLL_K, SPREAD,
+THREAD_SUM, TMA, num_warps, num_stages. FP8 activations are no tunable but the caller's mode
+(fp8.py).
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ from fusetune.kernels._spec import (
     as_rows,
     cdiv,
     check_device,
+    check_eps,
+    check_no_grad,
     dtype_name,
     torch_dtype,
 )
-from fusetune.kernels.rmsnorm import _rmsnorm_kernel, rmsnorm
+from fusetune.kernels.rmsnorm import _rmsnorm_kernel, norm_rows
 from fusetune.models import ModelPreset
 
 
@@ -130,21 +133,21 @@ def _ffn_kernel(
 
 def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                out: torch.Tensor, eps: float, config: Config, s1: torch.Tensor | None = None,
-               s3: torch.Tensor | None = None) -> None:
+               s3: torch.Tensor | None = None, act: bool = False) -> None:
     """Launches on x [M, K], weights [N, K] (unit column strides; x's dtype or FP8 with
-    optional per-channel scales s1, s3 [N]), out [M, N].
+    optional per-channel scales s1, s3 [N]), out [M, N]; `act`: FP8 activations.
 
-    PASSES = 2: RMSNorm runs first as its own kernel (fusetune.rmsnorm, tuned config from the
-    tables) and the matmul reads its output; with FP8 weights and ACT_FP8 = 1 that pass
-    writes the rows in e4m3 with a scale each (fp8.norm_fp8_rows) and the K loop multiplies
-    FP8 by FP8. SPLIT_K > 1: SPLIT_K programs per output tile write float32 partial sums, and
+    PASSES = 2: RMSNorm runs first as its own kernel (tuned config from the tables) and the
+    matmul reads its output; with FP8 activations that pass always runs and writes the rows in
+    e4m3 with a scale each (fp8.norm_fp8_rows), and the K loop multiplies FP8 by FP8.
+    SPLIT_K > 1: SPLIT_K programs per output tile write float32 partial sums, and
     a second launch of the same kernel (FINISH) adds them up and applies the epilogue.
     """
     m, k = x.shape
     n = w1.shape[0]
     if m == 0 or n == 0:
         return
-    x, sx, act = first_pass("ffn", x, g, eps, config, w1.dtype, lambda t: rmsnorm(t, g, eps))
+    x, sx = first_pass(x, g, eps, config, act, lambda t: norm_rows(t, g, eps))
     gemv = config["BLOCK_M"] == 1
     w1, w_fp8 = fp8.weight_operand(w1, act, gemv)
     w3, _ = fp8.weight_operand(w3, act, gemv)
@@ -176,20 +179,26 @@ def ffn(
     rms_weight: torch.Tensor,
     w1: torch.Tensor,
     w3: torch.Tensor,
-    eps: float = 1e-6,
     *,
+    eps: float,
     w1_scale: torch.Tensor | None = None,
     w3_scale: torch.Tensor | None = None,
+    fp8_activations: bool = False,
     config: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
-    """silu(rmsnorm(x)·W1ᵀ) · (rmsnorm(x)·W3ᵀ) for x [..., dim], W1 and W3 [hidden, dim].
+    """silu(rmsnorm(x)·W1ᵀ) · (rmsnorm(x)·W3ᵀ) for x [..., dim], W1 and W3 [hidden, dim], with
+    the model's norm epsilon `eps`.
 
     W1 and W3 are in x's dtype, or both FP8 (torch.float8_e4m3fn or float8_e5m2, e.g. from
     fusetune.quantize_fp8) with optional float32 scales per output channel `w1_scale`,
-    `w3_scale` [hidden] (None: 1), W1 = w1_scale[:, None] · w1. Returns [..., hidden] in x's
-    dtype. The config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8,
-    UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages) comes from the lookup tables
-    (for this weight format) unless `config` is given.
+    `w3_scale` [hidden] (None: 1), W1 = w1_scale[:, None] · w1. FP8 weights are weight-only
+    by default: the activations stay in x's dtype and the results match the dequantized
+    weights within the 16-bit tolerance. `fp8_activations=True` (FP8 weights, FP8 tensor
+    cores) rounds the normalized activations to e4m3 too, per row: faster products, a few
+    percent of error (fp8.ACT_FP8_TOLERANCE). Returns [..., hidden] in x's dtype. The config
+    (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, UNROLL_K, SPREAD, THREAD_SUM, TMA,
+    num_warps, num_stages) comes from the lookup tables (for this weight format and activation
+    mode) unless `config` is given; no config changes the numerics.
     """
     if x.ndim < 1:
         raise ValueError("ffn: x must have at least one dimension")
@@ -210,6 +219,10 @@ def ffn(
         w1_scale, w3_scale = (ones if w1_scale is None else w1_scale,
                               ones if w3_scale is None else w3_scale)
     check_device(x, "ffn")
+    check_eps("ffn", eps)
+    check_no_grad("ffn", x, rms_weight, w1, w3)
+    if fp8_activations:
+        fp8.check_fp8_activations("ffn", weights, x.device)
     if w1.stride(-1) != 1 or w3.stride() != w1.stride():  # the kernel reads both with one stride
         w1, w3 = w1.contiguous(), w3.contiguous()
     hidden = w1.shape[0]
@@ -219,12 +232,13 @@ def ffn(
     if config is None:
         from fusetune.runtime import cached_config
 
-        cfg = cached_config(SPEC, (("dim", d), ("hidden", hidden)), dtype, m, weights, x.device)
+        cfg = cached_config(SPEC, (("dim", d), ("hidden", hidden)), dtype, m, weights, x.device,
+                            activations="fp8" if fp8_activations else "")
     else:
         cfg = SPEC.validate_config(config)
     _launch_2d(x2, rms_weight.contiguous(), w1, w3, out.view(-1, hidden), float(eps), cfg,
                None if w1_scale is None else w1_scale.contiguous(),
-               None if w3_scale is None else w3_scale.contiguous())
+               None if w3_scale is None else w3_scale.contiguous(), bool(fp8_activations))
     return out
 
 
@@ -240,7 +254,8 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     w1, w1_scale = fp8.spec_weight(torch.randn(hdim, d, device=device) / d**0.5, point)
     w3, w3_scale = fp8.spec_weight(torch.randn(hdim, d, device=device) / d**0.5, point)
     return {"x": x.to(dtype), "rms_weight": g.to(dtype), "w1": w1, "w3": w3,
-            "w1_scale": w1_scale, "w3_scale": w3_scale, "eps": 1e-6}
+            "w1_scale": w1_scale, "w3_scale": w3_scale, "eps": 1e-6,
+            "fp8_activations": point.fp8_activations}
 
 
 def _make_outputs(inputs: Tensors) -> Tensors:
@@ -262,7 +277,7 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
     x, h = inputs["x"], outputs["h"]
     _launch_2d(x.view(-1, x.shape[-1]), inputs["rms_weight"], inputs["w1"], inputs["w3"],
                h.view(-1, h.shape[-1]), inputs["eps"], config, inputs.get("w1_scale"),
-               inputs.get("w3_scale"))
+               inputs.get("w3_scale"), inputs.get("fp8_activations", False))
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:

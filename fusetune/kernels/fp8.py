@@ -1,24 +1,26 @@
-"""FP8 weights for the matmul kernels (qkv, ffn, lola): the formats, `quantize_fp8`, and the
-pass that normalizes and quantizes the activations for the FP8 tensor cores (ACT_FP8 = 1).
+"""FP8 weights for the matmul kernels (qkv, ffn, lola, linear): the formats, `quantize_fp8`,
+and the pass that normalizes and quantizes the activations for FP8 activations.
 
 A weight W [out_features, in_features] is stored as Wq in FP8 (e4m3 or e5m2) with one float32
 scale per output channel, W ≈ s[:, None] · Wq. The kernels read Wq (one byte per element) and
 apply s in their epilogue, y[:, n] = s[n] · (x·Wqᵀ)[:, n], after the split-K partial sums are
-added and before SiLU / GELU / RoPE / the bias. Two ways to multiply, a config key:
+added and before SiLU / GELU / RoPE / the bias. Two numerics, the caller's choice (a mode of
+the call and part of every key, Point.activations; never a tunable):
 
-- ACT_FP8 = 0: each weight tile is upcast to the activations' dtype in registers before
-  tl.dot (FP8 values are exact in float16, bfloat16 and float32, so the product sees exactly the
-  stored weights). Works on every GPU: e5m2 is read as bytes (the top byte of a float16);
-  e4m3, which Triton knows only from sm_89 on, with Triton's conversion (the hardware's) in the
-  one-row GEMV loop there, and as bytes decoded with integer operations otherwise (beside
-  tl.dot that decoding is the faster of the two; see weight_operand).
-- ACT_FP8 = 1 (with PASSES = 2, on GPUs with FP8 tensor cores): the norm pass writes the
-  normalized activations as e4m3 with one float32 scale per row (`norm_fp8_rows`), the K loop
-  multiplies FP8 by FP8 with float32 accumulation, and the epilogue multiplies by the row scale
-  and the weight's channel scale. With PASSES = 1 there is no pass that could choose a row's
-  scale before its first K-step, and one row per program (BLOCK_M = 1) multiplies without
-  tensor cores, so ACT_FP8 = 1 means the same as 0 there (the specs' `canonical` collapses
-  it, so the search never times both), as it does for weights in the activations' dtype.
+- weight-only (the default): each weight tile is upcast to the activations' dtype in registers
+  (FP8 values are exact in float16, bfloat16 and float32, so the product sees exactly the
+  stored weights: the 16-bit tolerances hold against the dequantized weights). Works on every
+  GPU: e5m2 is read as bytes (the top byte of a float16); e4m3, which Triton knows only from
+  sm_89 on, with Triton's conversion (the hardware's) in the one-row GEMV loop there, and as
+  bytes decoded with integer operations otherwise (beside tl.dot that decoding is the faster
+  of the two; see weight_operand).
+- FP8 activations (`fp8_activations=True`, on GPUs with FP8 tensor cores): a pass normalizes
+  the activations and writes them as e4m3 with one float32 scale per row (`norm_fp8_rows`),
+  the K loop multiplies FP8 by FP8 with float32 accumulation (on the tensor cores; the one-row
+  structure upcasts both in registers: the same products), and the epilogue multiplies by the
+  row scale and the weight's channel scale. Every config of such a point rounds the same
+  activations the same way (the norm is always its own pass: the specs' `canonical` sets
+  PASSES = 2), so one tolerance, ACT_FP8_TOLERANCE, holds for all of them.
 """
 
 from __future__ import annotations
@@ -42,15 +44,15 @@ FORMATS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.fl
 # The largest finite value of each format: quantize_fp8 maps each channel's largest |w| there.
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
 
-# ‖out − ref‖ / ‖ref‖ allowed with ACT_FP8 = 1, against the reference that multiplies the
+# ‖out − ref‖ / ‖ref‖ allowed with FP8 activations, against the reference that multiplies the
 # unrounded normalized activations by the dequantized weights. Rounding the activations to e4m3
 # (3 mantissa bits) costs a few percent of relative error, more for ffn's product of two
-# (silu(a)·b) than for one product (qkv, lola); twice ffn's is allowed. ACT_FP8 = 0 is held
-# to the 16-bit tolerances: its products see the stored weights exactly.
+# (silu(a)·b) than for one product (qkv, lola, linear); twice ffn's is allowed. Weight-only FP8
+# is held to the 16-bit tolerances: its products see the stored weights exactly.
 ACT_FP8_TOLERANCE: dict[str, float] = {"float16": 0.08, "bfloat16": 0.08, "float32": 0.08}
 
 # How a matmul kernel reads its weight tiles: the W_FP8 constexpr (see _matmul.mma_weight).
-W_AS_IS = 0  # x's dtype, or FP8 multiplied as FP8 beside FP8 activations (ACT_FP8 = 1)
+W_AS_IS = 0  # x's dtype, or FP8 multiplied as FP8 beside FP8 activations
 W_UPCAST = 1  # an FP8 type this GPU's Triton has: upcast in registers
 W_E4M3_BYTES = 2  # e4m3 before sm_89: read as uint8, decoded with integer operations
 W_E5M2_BYTES = 3  # e5m2: read as uint8, the high byte of a float16
@@ -112,7 +114,7 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 
 def quantize_rows(xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the ACT_FP8 = 1 norm pass makes of normalized activations xn [..., K], in torch:
+    """What the FP8 activations' norm pass makes of normalized activations xn [..., K], in torch:
     e4m3 values and one float32 scale per row (the row's largest |x| maps to 448)."""
     xf = xn.float()
     amax = xf.abs().amax(dim=-1)
@@ -130,12 +132,12 @@ def has_fp8(device: torch.device) -> bool:
     return cuda_capability(index) >= (8, 9)
 
 
-def weight_operand(w: torch.Tensor, act_fp8: bool, gemv: bool = False
+def weight_operand(w: torch.Tensor, fp8_activations: bool, gemv: bool = False
                    ) -> tuple[torch.Tensor, int]:
     """The tensor a kernel receives for the weight `w` and its W_FP8 constexpr; `gemv`: the
     config's structure is one row per program (BLOCK_M = 1)."""
     fmt = fp8_format(w.dtype)
-    if fmt is None or act_fp8:
+    if fmt is None or fp8_activations:
         return w, W_AS_IS
     if fmt == "e5m2":
         return w.view(torch.uint8), W_E5M2_BYTES
@@ -180,16 +182,12 @@ def check_weights(kernel: str, x: torch.Tensor, weights: dict[str, torch.Tensor]
     return key
 
 
-def act_fp8(config: Config, weights: str) -> bool:
-    """Whether `config` multiplies FP8 by FP8 for weights of Point.weights `weights`: ACT_FP8 = 1
-    does only with FP8 weights, the norm as its own pass (PASSES = 2) and tensor-core tiles
-    (BLOCK_M > 1; one row per program multiplies without tensor cores)."""
-    return (bool(config.get("ACT_FP8", 0)) and config["PASSES"] == 2 and config["BLOCK_M"] > 1
-            and weights in WEIGHT_FORMATS)
-
-
-def check_act_fp8(kernel: str, device: torch.device) -> None:
-    """ValueError unless `device` can multiply FP8 by FP8 (ACT_FP8 = 1)."""
+def check_fp8_activations(kernel: str, weights: str, device: torch.device) -> None:
+    """ValueError unless FP8 activations can run: beside FP8 weights (Point.weights `weights`),
+    on a device with Triton's e4m3 type and FP8 tensor cores."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"{kernel}: fp8_activations=True needs FP8 weights (e.g. from "
+                         "fusetune.quantize_fp8); these weights are in the activations' dtype")
     if has_fp8(device):
         return
     has = "none"
@@ -197,39 +195,37 @@ def check_act_fp8(kernel: str, device: torch.device) -> None:
         major, minor = cuda_capability(device.index if device.index is not None
                                    else torch.cuda.current_device())
         has = f"compute capability {major}.{minor}"
-    raise ValueError(f"{kernel}: ACT_FP8=1 needs FP8 tensor cores (compute capability 8.9+), "
-                     f"{device} has {has}; use ACT_FP8=0")
+    raise ValueError(f"{kernel}: FP8 activations need FP8 tensor cores (compute capability "
+                     f"8.9+), {device} has {has}; leave fp8_activations off (weight-only FP8)")
 
 
 # ---- what the specs need --------------------------------------------------------------------
 
 
-def collapse_act_fp8(config: Config, point: Point, k: int) -> Config:
-    """ACT_FP8 = 1 means the same as 0 where `act_fp8` says it does not apply; where it does,
-    the FP8 product needs BLOCK_K >= 32 (the tensor cores' K-step for 8-bit types)."""
+def collapse_fp8_activations(config: Config, point: Point, k: int) -> Config:
+    """With FP8 activations the norm is always its own pass (it chooses each row's scale before
+    the K loop: PASSES = 2), and tensor-core tiles need BLOCK_K >= 32 (the K-step of 8-bit
+    MMAs)."""
+    if not point.fp8_activations:
+        return config
     c = dict(config)
-    c["ACT_FP8"] = int(act_fp8(c, point.weights))
-    if c["ACT_FP8"] and c["BLOCK_K"] < 32:
+    c["PASSES"] = 2
+    if c["BLOCK_M"] > 1 and c["BLOCK_K"] < 32:
         c["BLOCK_K"] = 32
         while c["SPLIT_K"] > 1 and c["SPLIT_K"] > -(-k // 32):
             c["SPLIT_K"] //= 2
     return c
 
 
-def operand_bytes(config: Config, point: Point) -> tuple[int, int, bool]:
+def operand_bytes(point: Point) -> tuple[int, int, bool]:
     """(bytes per activation element in the K loop, per weight element, whether the weight
-    tiles are converted in registers) of `config` at `point`."""
+    tiles are converted in registers) at `point`."""
     elt = DTYPE_BYTES[point.dtype]
     if point.weights not in WEIGHT_FORMATS:
         return elt, elt, False
-    if act_fp8(config, point.weights):
+    if point.fp8_activations:
         return 1, 1, False
     return elt, 1, True
-
-
-def config_tolerance(point: Point, config: Config) -> float | None:
-    """ACT_FP8 = 1's tolerance where the config multiplies FP8 by FP8; None otherwise."""
-    return ACT_FP8_TOLERANCE[point.dtype] if act_fp8(config, point.weights) else None
 
 
 def spec_weight(w: torch.Tensor, point: Point) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -245,7 +241,7 @@ def spec_dequantized(inputs: Tensors, name: str) -> torch.Tensor:
     return dequantize(inputs[name], inputs.get(f"{name}_scale"))
 
 
-# ---- the activations' pass for ACT_FP8 = 1 --------------------------------------------------
+# ---- the activations' pass for FP8 activations ----------------------------------------------
 
 
 @triton.jit
@@ -290,6 +286,7 @@ def _norm_fp8_kernel(
     eps,
     RMS: tl.constexpr,  # 1: RMSNorm x·rsqrt(mean(x²) + eps)·G; 0: LayerNorm without affine
     BLOCK_K: tl.constexpr,  # columns per step; K is covered in ceil(K / BLOCK_K) steps
+    NORM: tl.constexpr,  # 0: no norm, the rows are quantized as they are (RMS 0)
 ):
     # One row per program, all in float32: the statistics, the row's largest |value|, then the
     # quantized values. The row is read from memory once, the later passes find it in cache.
@@ -297,7 +294,11 @@ def _norm_fp8_kernel(
     x_row = X + row * stride_xm
     q_row = Q + row * K
     rk = tl.arange(0, BLOCK_K)
-    mean, rstd = row_norm_stats(x_row, K, eps, RMS, BLOCK_K)
+    if NORM:
+        mean, rstd = row_norm_stats(x_row, K, eps, RMS, BLOCK_K)
+    else:  # (x - 0) · 1: _normalized's LayerNorm branch passes the row through
+        mean = 0.0
+        rstd = 1.0
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         y = _normalized(x_row, G, k0 + rk, k0 + rk < K, mean, rstd, RMS)
@@ -312,23 +313,23 @@ def _norm_fp8_kernel(
     tl.store(S + row, scale)
 
 
-def norm_fp8_rows(x: torch.Tensor, g: torch.Tensor | None, eps: float
+def norm_fp8_rows(x: torch.Tensor, g: torch.Tensor | None, eps: float, norm: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm with weight `g` (LayerNorm without affine where g is None) of x [M, K] (unit
-    column stride), quantized per row: (e4m3 [M, K], float32 scales [M]); the first of the
-    matmul kernels' two passes with ACT_FP8 = 1. Matches `quantize_rows` of the normalized rows
-    up to float32 rounding."""
+    """RMSNorm with weight `g` (LayerNorm without affine where g is None; no norm at all
+    where `norm` is False) of x [M, K] (unit column stride), quantized per row: (e4m3 [M, K],
+    float32 scales [M]); the first of the matmul kernels' two passes with FP8 activations.
+    Matches `quantize_rows` of the normalized rows up to float32 rounding."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
         block = min(next_pow2(k), 4096)
         _norm_fp8_kernel[(m,)](x, x if g is None else g, q, s, k, x.stride(0), eps,
-                               RMS=g is not None, BLOCK_K=block,
+                               RMS=norm and g is not None, BLOCK_K=block, NORM=norm,
                                num_warps=max(1, min(16, block // 256)))
     return q.view(torch.float8_e4m3fn), s
 
 
-# The jit code of the ACT_FP8 pass: part of the matmul kernels' source hashes.
+# The jit code of the FP8 activations' pass: part of the matmul kernels' source hashes.
 FP8_SOURCES = (e4m3_byte, _normalized, row_norm_stats, _norm_fp8_kernel, norm_fp8_rows,
                weight_operand)

@@ -10,9 +10,10 @@ output channel (fp8.py).
 
 There is no norm in front, so the K loop is the matmul kernels' loop over operands that go to
 the tensor cores untouched (their PASSES = 2) and PASSES means nothing here: `canonical` maps
-it to 2 and the launcher ignores it. FP8 activations (ACT_FP8 = 1) are not offered: ACT_FP8
-maps to 0, the FP8 weights are upcast in registers. Both keys stay, so that linear's configs,
-tables and search space have the keys of the other matmul kernels.
+it to 2 and the launcher ignores it (the key stays, so that linear's configs, tables and
+search space have the keys of the other matmul kernels). FP8 weights are weight-only unless
+the caller asks for FP8 activations (fp8.py): a pass then quantizes x's rows to e4m3 with a
+scale each, and the K loop multiplies FP8 by FP8.
 
 Structures (docs/kernels.md): one row per program (BLOCK_M = 1, the GEMV for decode, with
 UNROLL_K, SPREAD, THREAD_SUM), tensor-core tiles with a software-pipelined K loop (BLOCK_M >
@@ -21,7 +22,7 @@ and SPLIT_K programs per tile whose float32 partial sums a second launch (FINISH
 finishes with the epilogue.
 
 Tunables (search_spaces/linear.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, UNROLL_K,
-SPREAD, THREAD_SUM, TMA, num_warps, num_stages (and PASSES, ACT_FP8: see above).
+SPREAD, THREAD_SUM, TMA, num_warps, num_stages (and PASSES: see above).
 
 The dims of a point: `dim` (in_features K), `out` (out_features N), `bias` and `residual`
 (0 or 1: whether they are added; they change the kernel's code and the bytes it moves, so a
@@ -54,6 +55,7 @@ from fusetune.kernels._matmul import (
 )
 from fusetune.kernels._matmul_spec import (
     MATMUL_SPEC_FIELDS,
+    first_pass,
     launch_args,
     launch_split,
     matmul_canonical,
@@ -72,26 +74,27 @@ from fusetune.kernels._spec import (
     cdiv,
     check_device,
     check_fits,
+    check_no_grad,
     dtype_name,
     torch_dtype,
 )
 from fusetune.models import ModelPreset
 
 # The one K loop linear has: the matmul kernels' loop without a norm folded in, operands to
-# the tensor cores as loaded (PASSES = 2), FP8 weights upcast in registers (ACT_FP8 = 0).
+# the tensor cores as loaded (PASSES = 2).
 PASSES = 2
-ACT_FP8 = 0
 
 
 @triton.jit
 def _linear_kernel(
-    X,  # *[M, K] activations, row stride stride_xm, unit column stride
+    X,  # *[M, K] activations (FP8 with ACT_FP8), row stride stride_xm, unit column stride
     W,  # *[N, K] weight (nn.Linear layout), row stride stride_wn (X, W: TMA descriptors with TMA)
     B,  # *[N] bias (HAS_BIAS only)
     R,  # *[M, N] residual, row stride stride_rm, unit column stride (HAS_RESIDUAL only)
     OUT,  # *[M, N] output, row stride stride_om
     WS,  # *[SPLIT_K, M, N] float32 partial products (split-K only)
     SW,  # *[N] float32 per-output-channel scales of W (W_SCALED only)
+    SX,  # *[M] float32 scales of X's rows (ACT_FP8 only)
     M, N, K,
     stride_xm, stride_wn, stride_rm, stride_om,
     BLOCK_M: tl.constexpr,
@@ -103,6 +106,7 @@ def _linear_kernel(
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
     W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.mma_weight)
     W_SCALED: tl.constexpr,  # W has per-output-channel scales SW
+    ACT_FP8: tl.constexpr,  # X holds e4m3 rows with scales SX (FP8 activations)
     UNROLL_K: tl.constexpr,  # BLOCK_M == 1: two K-steps per loop iteration (gemv_one_product)
     SPREAD: tl.constexpr,  # BLOCK_M == 1: the program's BLOCK_N columns far apart (block_rows)
     THREAD_SUM: tl.constexpr,  # BLOCK_M == 1: each thread adds its weight run up first
@@ -156,10 +160,9 @@ def _linear_kernel(
         # epilogue, so the scale, the bias and the residual are applied once, to the whole sum.
         tl.store(partial_ptrs(WS, tl.program_id(1), rm, rn, M, N), acc, mask=mn_ok)
     else:
-        # float32 throughout, in this order: acc · scale + bias + residual, then one rounding
-        # to the output's dtype. scale_product's activation scales do not apply (ACT_FP8 off:
-        # SW stands in for their pointer, never read).
-        y = scale_product(acc, SW, rm, m_ok, SW, rn, n_ok, False, W_SCALED)
+        # float32 throughout, in this order: acc · scales (x's rows', W's channels') + bias
+        # + residual, then one rounding to the output's dtype.
+        y = scale_product(acc, SX, rm, m_ok, SW, rn, n_ok, ACT_FP8, W_SCALED)
         if HAS_BIAS:
             y += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_RESIDUAL:
@@ -171,29 +174,28 @@ def _linear_kernel(
 
 
 def linear_config(config: Config) -> Config:
-    """`config` with linear's one meaning of PASSES and ACT_FP8 (see the module docstring):
-    what the launcher runs and what the resource model prices."""
-    if config["PASSES"] == PASSES and config.get("ACT_FP8", ACT_FP8) == ACT_FP8:
+    """`config` with linear's one meaning of PASSES (see the module docstring): what the
+    launcher runs and what the resource model prices."""
+    if config["PASSES"] == PASSES:
         return config
-    c = {**config, "PASSES": PASSES}
-    if "ACT_FP8" in c:  # a flag: a config that leaves it out means 0 already
-        c["ACT_FP8"] = ACT_FP8
-    return c
+    return {**config, "PASSES": PASSES}
 
 
 def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                r: torch.Tensor | None, out: torch.Tensor, config: Config,
-               sw: torch.Tensor | None = None) -> None:
+               sw: torch.Tensor | None = None, act: bool = False) -> None:
     """Launches on x [M, K], w [N, K] (unit column strides; x's dtype or FP8 with optional
     per-channel scales sw [N]), b [N] or None, r [M, N] (unit column stride) or None, out
-    [M, N]. SPLIT_K > 1: SPLIT_K programs per output tile write float32 partial sums, and a
-    second launch of the same kernel (FINISH) adds them up and applies the epilogue."""
+    [M, N]; `act`: FP8 activations (x's rows quantized to e4m3 by a pass first).
+    SPLIT_K > 1: SPLIT_K programs per output tile write float32 partial sums, and a second
+    launch of the same kernel (FINISH) adds them up and applies the epilogue."""
     m, k = x.shape
     n = w.shape[0]
     if m == 0 or n == 0:
         return
     config = linear_config(config)
-    w, w_fp8 = fp8.weight_operand(w, False, config["BLOCK_M"] == 1)
+    x, sx = first_pass(x, None, 0.0, config, act, None)
+    w, w_fp8 = fp8.weight_operand(w, act, config["BLOCK_M"] == 1)
     # TMA: the K loop reads x and W through descriptors, where the config asks for it and the
     # tensors allow it (else the same tiles by pointers).
     descs = tma_descriptors("linear", config, w_fp8, x, [w])
@@ -202,9 +204,9 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     ws = out  # not read unless split > 1
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    args = launch_args(config, act=False, w_fp8=w_fp8, ieee=x.dtype == torch.float32,
+    args = launch_args(config, act=act, w_fp8=w_fp8, ieee=x.dtype == torch.float32,
                        w_scaled=sw is not None, tma=descs is not None)
-    del args["PASSES"], args["ACT_FP8"]  # one meaning each here: not constexprs of the kernel
+    del args["PASSES"]  # one meaning here: not a constexpr of the kernel
     # Absent operands: another tensor stands in for the pointer, never read (HAS_* = 0).
     bias = out if b is None else b
     res, stride_rm = (out, 0) if r is None else (r, r.stride(0))
@@ -212,22 +214,13 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _linear_kernel[grid](
-            xa, wa, bias, res, out, ws, scales, m, n, k, x.stride(0), w.stride(0), stride_rm,
+            xa, wa, bias, res, out, ws, scales, out if sx is None else sx, m, n, k,
+            x.stride(0), w.stride(0), stride_rm,
             out.stride(0), FINISH=finish, HAS_BIAS=b is not None, HAS_RESIDUAL=r is not None,
             **args,
         )
 
     launch_split(launch, cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]), split)
-
-
-def _check_no_grad(*tensors: torch.Tensor | None) -> None:
-    """RuntimeError where autograd would record the call: the kernel has no backward pass, so
-    its output would be silently detached from the graph."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise RuntimeError(
-            "linear: an input requires grad, but fusetune's linear has no backward pass: its "
-            "output would be detached from the graph. Run it under torch.no_grad() or "
-            "torch.inference_mode(), or pass detached tensors.")
 
 
 def linear(
@@ -237,6 +230,7 @@ def linear(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
+    fp8_activations: bool = False,
     config: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """x·Wᵀ + bias + residual for x [..., in_features], weight [out_features, in_features]
@@ -246,10 +240,12 @@ def linear(
     fusetune.quantize_fp8) with optional float32 scales per output channel `weight_scale`
     [out_features] (None: 1), W = weight_scale[:, None] · weight. `bias` [out_features] and
     `residual` [..., out_features] (x's leading shape) are in x's dtype, or None. The sum is
-    taken in float32, (x·Wᵀ)·scale + bias + residual, and rounded once. The config (BLOCK_M,
-    BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, THREAD_SUM, TMA,
-    num_warps, num_stages) comes from the lookup tables (for this weight format, with or
-    without bias and residual) unless `config` is given.
+    taken in float32, (x·Wᵀ)·scale + bias + residual, and rounded once. FP8 weights are
+    weight-only (x stays in its dtype) unless `fp8_activations=True` asks for x's rows
+    rounded to e4m3 too (see fusetune.ffn). The config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    PASSES, SPLIT_K, UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages) comes from the
+    lookup tables (for this weight format and activation mode, with or without bias and
+    residual) unless `config` is given; no config changes the numerics.
     """
     if x.ndim < 1:
         raise ValueError("linear: x must have at least one dimension")
@@ -277,7 +273,9 @@ def linear(
         if t is not None and t.device != x.device:
             raise ValueError(f"linear: {name} is on {t.device}, x on {x.device}")
     check_device(x, "linear")
-    _check_no_grad(x, weight, bias, residual)
+    check_no_grad("linear", x, weight, bias, residual)
+    if fp8_activations:
+        fp8.check_fp8_activations("linear", weights, x.device)
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     x2 = as_rows(x, k)
     r2 = None if residual is None else as_rows(residual, n)
@@ -288,11 +286,13 @@ def linear(
 
         dims = (("bias", int(bias is not None)), ("dim", k), ("out", n),
                 ("residual", int(residual is not None)))
-        cfg = cached_config(SPEC, dims, dtype, m, weights, x.device)
+        cfg = cached_config(SPEC, dims, dtype, m, weights, x.device,
+                            activations="fp8" if fp8_activations else "")
     else:
         cfg = SPEC.validate_config(config)
     _launch_2d(x2, w, None if bias is None else bias.contiguous(), r2, out.view(-1, n), cfg,
-               None if weight_scale is None else weight_scale.contiguous())
+               None if weight_scale is None else weight_scale.contiguous(),
+               bool(fp8_activations))
     return out
 
 
@@ -308,7 +308,8 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     b = (0.1 * torch.randn(n, device=device)).to(dtype) if point.dim["bias"] else None
     r = (torch.randn(point.batch, point.seq, n, device=device).to(dtype)
          if point.dim["residual"] else None)
-    return {"x": x.to(dtype), "weight": w, "weight_scale": w_scale, "bias": b, "residual": r}
+    return {"x": x.to(dtype), "weight": w, "weight_scale": w_scale, "bias": b, "residual": r,
+            "fp8_activations": point.fp8_activations}
 
 
 def _make_outputs(inputs: Tensors) -> Tensors:
@@ -330,7 +331,7 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
     x, y, r = inputs["x"], outputs["y"], inputs.get("residual")
     _launch_2d(x.view(-1, x.shape[-1]), inputs["weight"], inputs.get("bias"),
                None if r is None else r.view(-1, r.shape[-1]), y.view(-1, y.shape[-1]), config,
-               inputs.get("weight_scale"))
+               inputs.get("weight_scale"), inputs.get("fp8_activations", False))
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:

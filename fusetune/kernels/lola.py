@@ -13,7 +13,7 @@ orders of magnitude above their spread (normalized hidden states); the reference
 two-pass LayerNorm.
 
 Tunables (search_spaces/lola.yaml): BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K,
-ACT_FP8, UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages.
+UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ from fusetune.kernels._spec import (
     as_rows,
     cdiv,
     check_device,
+    check_eps,
+    check_no_grad,
     dtype_name,
     next_pow2,
     torch_dtype,
@@ -250,13 +252,13 @@ def layernorm_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Tensor, eps: float,
-               config: Config, sw: torch.Tensor | None = None) -> None:
+               config: Config, sw: torch.Tensor | None = None, act: bool = False) -> None:
     """Launches on x [M, K], w [N, K] (unit column strides; x's dtype or FP8 with optional
-    per-channel scales sw [N]), b [N], out [M, N].
+    per-channel scales sw [N]), b [N], out [M, N]; `act`: FP8 activations.
 
     PASSES = 2: LayerNorm runs first as its own kernel and the matmul reads its output; with
-    FP8 weights and ACT_FP8 = 1 that pass writes the rows in e4m3 with a scale each
-    (fp8.norm_fp8_rows) and the K loop multiplies FP8 by FP8. SPLIT_K > 1: SPLIT_K programs
+    FP8 activations that pass always runs and writes the rows in e4m3 with a scale each
+    (fp8.norm_fp8_rows), and the K loop multiplies FP8 by FP8. SPLIT_K > 1: SPLIT_K programs
     per output tile write float32 partial sums, and a second launch of the same kernel
     (FINISH) adds them up and applies the epilogue.
     """
@@ -264,8 +266,7 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
     n = w.shape[0]
     if m == 0 or n == 0:
         return
-    x, sx, act = first_pass("lola", x, None, eps, config, w.dtype,
-                            lambda t: layernorm_rows(t, eps))
+    x, sx = first_pass(x, None, eps, config, act, lambda t: layernorm_rows(t, eps))
     w, w_fp8 = fp8.weight_operand(w, act, config["BLOCK_M"] == 1)
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     # TMA: the K loop reads x and W through descriptors, where the config asks for it and the
@@ -293,9 +294,10 @@ def lola(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
-    eps: float = 1e-5,
     *,
+    eps: float,
     weight_scale: torch.Tensor | None = None,
+    fp8_activations: bool = False,
     config: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """gelu(layernorm(x)·Wᵀ + b), exact GELU, LayerNorm without affine, x [..., in_features],
@@ -303,10 +305,12 @@ def lola(
 
     `weight` is in x's dtype, or FP8 (torch.float8_e4m3fn or float8_e5m2, e.g. from
     fusetune.quantize_fp8) with optional float32 scales per output channel `weight_scale`
-    [out_features] (None: 1), W = weight_scale[:, None] · weight. The config (BLOCK_M,
-    BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, THREAD_SUM, TMA,
-    num_warps, num_stages) comes from the lookup tables (for this weight format) unless
-    `config` is given.
+    [out_features] (None: 1), W = weight_scale[:, None] · weight: weight-only by default;
+    `fp8_activations=True` rounds the normalized activations to e4m3 per row too (see
+    fusetune.ffn). The config (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, UNROLL_K,
+    SPREAD, THREAD_SUM, TMA, num_warps, num_stages) comes from the lookup tables (for this
+    weight format and activation mode) unless `config` is given; no config changes the
+    numerics.
     """
     if x.ndim < 1:
         raise ValueError("lola: x must have at least one dimension")
@@ -324,6 +328,10 @@ def lola(
         if t.device != x.device:
             raise ValueError(f"lola: {name} is on {t.device}, x on {x.device}")
     check_device(x, "lola")
+    check_eps("lola", eps)
+    check_no_grad("lola", x, weight, bias)
+    if fp8_activations:
+        fp8.check_fp8_activations("lola", weights, x.device)
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     x2 = as_rows(x, d)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -331,11 +339,13 @@ def lola(
     if config is None:
         from fusetune.runtime import cached_config
 
-        cfg = cached_config(SPEC, (("dim", d), ("out", n)), dtype, m, weights, x.device)
+        cfg = cached_config(SPEC, (("dim", d), ("out", n)), dtype, m, weights, x.device,
+                            activations="fp8" if fp8_activations else "")
     else:
         cfg = SPEC.validate_config(config)
     _launch_2d(x2, w, bias.contiguous(), out.view(-1, n), float(eps), cfg,
-               None if weight_scale is None else weight_scale.contiguous())
+               None if weight_scale is None else weight_scale.contiguous(),
+               bool(fp8_activations))
     return out
 
 
@@ -352,7 +362,7 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     w, w_scale = fp8.spec_weight(torch.randn(n, d, device=device) / d**0.5, point)
     b = 0.1 * torch.randn(n, device=device)
     return {"x": x.to(dtype), "weight": w, "weight_scale": w_scale, "bias": b.to(dtype),
-            "eps": 1e-5}
+            "eps": 1e-5, "fp8_activations": point.fp8_activations}
 
 
 def _make_outputs(inputs: Tensors) -> Tensors:
@@ -371,7 +381,8 @@ def _reference(inputs: Tensors) -> Tensors:
 def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
     x, y = inputs["x"], outputs["y"]
     _launch_2d(x.view(-1, x.shape[-1]), inputs["weight"], inputs["bias"],
-               y.view(-1, y.shape[-1]), inputs["eps"], config, inputs.get("weight_scale"))
+               y.view(-1, y.shape[-1]), inputs["eps"], config, inputs.get("weight_scale"),
+               inputs.get("fp8_activations", False))
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:

@@ -1,25 +1,33 @@
-"""The attention input projection, fused: RMSNorm -> Q, K, V projections -> RoPE on Q and K.
+"""The attention input projection, fused: RMSNorm -> Q, K, V projections (+ bias) -> RoPE.
 
-    q, k, v = qkv(x, rms_weight, wq, wk, wv, start_pos, theta, eps, interleaved=True)
+    q, k, v = qkv(x, rms_weight, wq, wk, wv, cos, sin, eps=1e-5, head_dim=128,
+                  interleaved=False)
 
 x [batch, seq, dim]; wq [n_heads·head_dim, dim], wk and wv [n_kv_heads·head_dim, dim]
 (nn.Linear layout; n_kv_heads < n_heads is grouped-query attention); q [batch, seq, n_heads,
 head_dim], k and v [batch, seq, n_kv_heads, head_dim].
 
+RoPE takes its angles from the caller's tables, as Hugging Face's rotary embeddings return
+them: cos and sin [batch or 1, seq, head_dim] (or head_dim/2), column i < head_dim/2 holding
+the cosine and sine of pair i's angle for that token. So the model's own positions (a row per
+token: left-padded batches differ per row), inverse frequencies, rope scaling and attention
+scaling are exactly what the kernel applies, and nothing about them is a Python number baked
+into the launch (a replayed CUDA graph reads the tables anew).
+
 One launch covers the three matrices. A program computes BLOCK_N rotation *pairs* of one
 matrix for BLOCK_M rows: two accumulators hold the two columns of each pair (2i, 2i+1 when
-interleaved, i and i + head_dim/2 otherwise), so RoPE is applied in the epilogue without any
-exchange between programs. RMSNorm folds into the matmul as in ffn.py (x ⊙ g in the K loop,
-rstd per row in the epilogue). V goes through the same code with a zero angle. The weights are
-in x's dtype or in FP8 with per-output-channel scales (fp8.py), applied before RoPE.
+interleaved, i and i + head_dim/2 otherwise: Hugging Face's rotate_half), so RoPE is applied in
+the epilogue without any exchange between programs. RMSNorm folds into the matmul as in ffn.py
+(x ⊙ g in the K loop, rstd per row in the epilogue). V goes through the same code without the
+rotation. The weights are in x's dtype or in FP8 with per-output-channel scales (fp8.py),
+applied before the bias and RoPE.
 
 Tunables (search_spaces/qkv.yaml): BLOCK_M, BLOCK_N (pairs per program), BLOCK_K, GROUP_M,
-PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages.
+PASSES, SPLIT_K, UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
@@ -60,11 +68,13 @@ from fusetune.kernels._spec import (
     Tensors,
     cdiv,
     check_device,
+    check_eps,
+    check_no_grad,
     dtype_name,
     torch_dtype,
 )
-from fusetune.kernels._trig import sincos
-from fusetune.kernels.rmsnorm import _rmsnorm_kernel, rmsnorm
+from fusetune.kernels.rmsnorm import _rmsnorm_kernel, norm_rows
+from fusetune.kernels.rope import check_tables, rotary_tables, rotated
 from fusetune.models import ModelPreset
 
 
@@ -83,12 +93,13 @@ def _qkv_kernel(
     WSQ,  # *[SPLIT_K, M] float32 partial sums of x² (split-K with PASSES == 1 only)
     SX,  # *[M] float32 scales of X's rows (ACT_FP8 only)
     SQ, SK, SV,  # *[Nq], *[Nkv], *[Nkv] float32 per-output-channel weight scales (W_SCALED)
-    M, K, S,  # tokens, model width, sequence length (token m sits at position start_pos + m % S)
+    BQ, BK, BV,  # *[Nq], *[Nkv], *[Nkv] biases (HAS_BIAS)
+    COS, SIN,  # *[B or 1, S, >= HALF] RoPE tables, unit column stride: column i is pair i's
+    M, K, S,  # tokens (batch·seq), model width, sequence length: token m is (m // S, m % S)
     NQ_PAIRS, NKV_PAIRS,  # Nq / 2 and Nkv / 2
     HALF,  # head_dim / 2: pairs per head
     stride_xm, stride_wq, stride_wk, stride_wv,
-    start_pos,
-    neg_log2_theta_over_half,  # freq_i = 2 ** (i * this) = theta^(-2i/head_dim)
+    stride_cb, stride_cs,  # the tables' batch stride (0: one row of positions for the batch)
     eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # pairs per program
@@ -106,27 +117,30 @@ def _qkv_kernel(
     SPREAD: tl.constexpr,  # BLOCK_M == 1: the program's BLOCK_N pairs far apart (block_rows)
     THREAD_SUM: tl.constexpr,  # BLOCK_M == 1: each thread adds its weight run up first
     TMA: tl.constexpr,  # X and the weight rows are read through descriptors (tma_two_products)
+    HAS_BIAS: tl.constexpr,  # BQ, BK, BV are added before the rotation
 ):
     # Column-blocks of the three matrices side by side: [Q blocks | K blocks | V blocks].
     nb_q = tl.cdiv(NQ_PAIRS, BLOCK_N)
     nb_kv = tl.cdiv(NKV_PAIRS, BLOCK_N)
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), nb_q + 2 * nb_kv, GROUP_M)
 
-    # Which matrix this program works on; V is rotated by a zero angle (no RoPE). `first` is
-    # the matrix's first pair in the workspace's columns [Q pairs | K pairs | V pairs].
+    # Which matrix this program works on; V is not rotated. `first` is the matrix's first pair
+    # in the workspace's columns [Q pairs | K pairs | V pairs].
+    # (as a [BLOCK_N] mask: a scalar condition in a load's mask is not a mask everywhere)
+    rotate = (tl.zeros([BLOCK_N], dtype=tl.int32) + pid_n) < nb_q + nb_kv
     if pid_n < nb_q:
-        W, Y, stride_w, n_pairs, blk, rope, first = (WQ, OQ, stride_wq, NQ_PAIRS, pid_n, 1.0,
-                                                     0 * NQ_PAIRS)
+        W, Y, stride_w, n_pairs, blk, first = WQ, OQ, stride_wq, NQ_PAIRS, pid_n, 0 * NQ_PAIRS
         SW = SQ
+        BW = BQ
     elif pid_n < nb_q + nb_kv:
-        W, Y, stride_w, n_pairs, blk, rope, first = (WK, OK, stride_wk, NKV_PAIRS, pid_n - nb_q,
-                                                     1.0, NQ_PAIRS)
+        W, Y, stride_w, n_pairs, blk, first = WK, OK, stride_wk, NKV_PAIRS, pid_n - nb_q, NQ_PAIRS
         SW = SK
+        BW = BK
     else:
-        W, Y, stride_w, n_pairs, blk, rope, first = (WV, OV, stride_wv, NKV_PAIRS,
-                                                     pid_n - nb_q - nb_kv, 0.0,
-                                                     NQ_PAIRS + NKV_PAIRS)
+        W, Y, stride_w, n_pairs, blk, first = (WV, OV, stride_wv, NKV_PAIRS, pid_n - nb_q - nb_kv,
+                                               NQ_PAIRS + NKV_PAIRS)
         SW = SV
+        BW = BV
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     p = block_rows(blk, n_pairs, BLOCK_N, SPREAD)  # pair index within the matrix
@@ -135,7 +149,7 @@ def _qkv_kernel(
     mp_ok = m_ok[:, None] & p_ok[None, :]
     all_pairs = NQ_PAIRS + 2 * NKV_PAIRS
     head = p // HALF
-    i = p % HALF  # pair index within the head: sets the frequency
+    i = p % HALF  # pair index within the head: its column in the RoPE tables
     if INTERLEAVED:
         col_a = head * (2 * HALF) + 2 * i
         col_b = col_a + 1
@@ -188,11 +202,16 @@ def _qkv_kernel(
         # col_b) and rstd.
         a, b = rms_scaled_products(acc_a, acc_b, sumsq, K, eps, SX, rm, m_ok, SW, col_a, SW,
                                    col_b, p_ok, ACT_FP8, W_SCALED, PASSES)
-        # RoPE: angle (start_pos + s) · theta^(-2i/head_dim), in float32.
-        pos = (start_pos + rm % S).to(tl.float32)
-        freq = tl.exp2(i.to(tl.float32) * neg_log2_theta_over_half)
-        angle = pos[:, None] * (freq * rope)[None, :]
-        sin, cos = sincos(angle)  # polynomial: libdevice's sin/cos spill here (_trig.py)
+        if HAS_BIAS:  # q = x·Wᵀ + b first, then the rotation
+            a += tl.load(BW + col_a, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+            b += tl.load(BW + col_b, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+        # RoPE in float32 with the tables' cos and sin of token m's row, column i. V's lanes
+        # read nothing: cos 1 and sin 0 leave them as they are.
+        t_off = (rm // S).to(tl.int64) * stride_cb + (rm % S).to(tl.int64) * stride_cs
+        cs_off = t_off[:, None] + i[None, :]
+        cs_ok = mp_ok & rotate[None, :]
+        cos = tl.load(COS + cs_off, mask=cs_ok, other=1.0).to(tl.float32)
+        sin = tl.load(SIN + cs_off, mask=cs_ok, other=0.0).to(tl.float32)
         ya = a * cos - b * sin
         yb = a * sin + b * cos
         # Outputs are contiguous [M, N]: row stride 2 · n_pairs.
@@ -217,22 +236,26 @@ def tma_pairs(interleaved: bool, head_dim: int, block_n: int) -> bool:
 
 
 def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
-               wv: torch.Tensor, oq: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor, seq: int,
-               head_dim: int, start_pos: int, theta: float, eps: float, interleaved: bool,
-               config: Config, scales: tuple[torch.Tensor, ...] | None = None) -> None:
-    """x [M, K]; weights [N, K] with unit column stride (x's dtype or FP8, one dtype for the
-    three, with per-channel scales `scales` = (sq, sk, sv) or None); outputs contiguous [M, N].
+               wv: torch.Tensor, oq: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, seq: int, head_dim: int, eps: float,
+               interleaved: bool, config: Config,
+               scales: tuple[torch.Tensor, ...] | None = None,
+               biases: tuple[torch.Tensor, ...] | None = None, act: bool = False) -> None:
+    """x [M, K] (M = batch·seq rows); weights [N, K] with unit column stride (x's dtype or FP8,
+    one dtype for the three, with per-channel scales `scales` = (sq, sk, sv) or None); biases
+    (bq, bk, bv) or None; cos and sin [B or 1, seq, >= head_dim/2] with unit column stride;
+    outputs contiguous [M, N]; `act`: FP8 activations.
 
-    PASSES = 2: RMSNorm runs first as its own kernel (fusetune.rmsnorm, tuned config from the
-    tables) and the matmul reads its output; with FP8 weights and ACT_FP8 = 1 that pass
-    writes the rows in e4m3 with a scale each (fp8.norm_fp8_rows) and the K loop multiplies
-    FP8 by FP8. SPLIT_K > 1: SPLIT_K programs per output tile write float32 partial sums, and
-    a second launch of the same kernel (FINISH) adds them up and applies RoPE.
+    PASSES = 2: RMSNorm runs first as its own kernel (tuned config from the tables) and the
+    matmul reads its output; with FP8 activations that pass always runs and writes the rows in
+    e4m3 with a scale each (fp8.norm_fp8_rows), and the K loop multiplies FP8 by FP8.
+    SPLIT_K > 1: SPLIT_K programs per output tile write float32 partial sums, and a second
+    launch of the same kernel (FINISH) adds them up and applies RoPE.
     """
     m, k = x.shape
     if m == 0:
         return
-    x, sx, act = first_pass("qkv", x, g, eps, config, wq.dtype, lambda t: rmsnorm(t, g, eps))
+    x, sx = first_pass(x, g, eps, config, act, lambda t: norm_rows(t, g, eps))
     gemv = config["BLOCK_M"] == 1
     wq, w_fp8 = fp8.weight_operand(wq, act, gemv)
     wk, _ = fp8.weight_operand(wk, act, gemv)
@@ -261,13 +284,15 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     n_blocks = cdiv(nq_pairs, bn) + 2 * cdiv(nkv_pairs, bn)
     args = launch_args(config, act=act, w_fp8=w_fp8, ieee=x.dtype == torch.float32,
                        w_scaled=scales is not None, tma=descs is not None)
+    bq, bk, bv = biases if biases is not None else (oq, oq, oq)
+    stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0  # one row of positions: broadcast
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         _qkv_kernel[grid](
             xa, g, wq, wk, wv, *row_descs, oq, ok, ov, ws, wsq, oq if sx is None else sx, sq,
-            sk, sv, m, k, seq, nq_pairs, nkv_pairs, half,
-            x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), start_pos,
-            -math.log2(theta) / half, eps, INTERLEAVED=interleaved, FINISH=finish, **args,
+            sk, sv, bq, bk, bv, cos, sin, m, k, seq, nq_pairs, nkv_pairs, half,
+            x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), stride_cb, cos.stride(1),
+            eps, INTERLEAVED=interleaved, FINISH=finish, HAS_BIAS=biases is not None, **args,
         )
 
     launch_split(launch, cdiv(m, config["BLOCK_M"]) * n_blocks, split)
@@ -279,28 +304,39 @@ def qkv(
     wq: torch.Tensor,
     wk: torch.Tensor,
     wv: torch.Tensor,
-    start_pos: int = 0,
-    theta: float = 10000.0,
-    eps: float = 1e-6,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     *,
-    head_dim: int | None = None,
-    interleaved: bool = True,
+    eps: float,
+    head_dim: int,
+    interleaved: bool,
+    bq: torch.Tensor | None = None,
+    bk: torch.Tensor | None = None,
+    bv: torch.Tensor | None = None,
     wq_scale: torch.Tensor | None = None,
     wk_scale: torch.Tensor | None = None,
     wv_scale: torch.Tensor | None = None,
+    fp8_activations: bool = False,
     config: Mapping[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm(x) projected to q, k, v, with RoPE on q and k (see the module docstring).
+    """RMSNorm(x) projected to q, k, v (+ bq, bk, bv), with RoPE on q and k (see the module
+    docstring). Returns q [batch, seq, n_heads, head_dim], k and v [batch, seq, n_kv_heads,
+    head_dim], contiguous, in x's dtype.
 
-    `head_dim` defaults to 128 when it divides both projections' widths, else 64; pass it for
-    models with other head sizes (or where 64 divides but the heads are wider).
+    The layout is the caller's, never guessed: `head_dim` (which must divide the projections'
+    widths), `interleaved` (True: pairs (2i, 2i+1) as Meta's Llama code; False: (i, i +
+    head_dim/2) as Hugging Face's rotate_half) and `eps`. cos and sin: [batch or 1, seq,
+    head_dim or head_dim/2], column i < head_dim/2 for pair i (Hugging Face's
+    position_embeddings qualify as they are).
 
     wq, wk and wv are in x's dtype, or all three FP8 (torch.float8_e4m3fn or float8_e5m2, e.g.
     from fusetune.quantize_fp8) with optional float32 scales per output channel `wq_scale`
-    [Nq], `wk_scale`, `wv_scale` [Nkv] (None: 1). The config (BLOCK_M, BLOCK_N, BLOCK_K,
-    GROUP_M, PASSES, SPLIT_K, ACT_FP8, UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps,
-    num_stages) comes from the lookup tables (for this weight format) unless `config` is
-    given.
+    [Nq], `wk_scale`, `wv_scale` [Nkv] (None: 1): weight-only by default (the 16-bit
+    tolerance against the dequantized weights); `fp8_activations=True` rounds the normalized
+    activations to e4m3 per row too (FP8 tensor cores; see fusetune.ffn). The config
+    (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PASSES, SPLIT_K, UNROLL_K, SPREAD, THREAD_SUM, TMA,
+    num_warps, num_stages) comes from the lookup tables (for this weight format and
+    activation mode) unless `config` is given; no config changes the numerics.
     """
     if x.ndim != 3:
         raise ValueError(f"qkv: x must be [batch, seq, dim], got shape {tuple(x.shape)}")
@@ -317,16 +353,15 @@ def qkv(
         raise ValueError(f"qkv: wk and wv must have the same shape, got {tuple(wk.shape)} and "
                          f"{tuple(wv.shape)}")
     nq, nkv = wq.shape[0], wk.shape[0]
-    if head_dim is None:  # the weights' shapes alone cannot tell 32 x 128 from 64 x 64
-        head_dim = next((h for h in (128, 64) if nq % h == 0 and nkv % h == 0), 0)
-        if not head_dim:
-            raise ValueError(f"qkv: cannot infer head_dim from wq's {nq} and wk's {nkv} output "
-                             "features; pass head_dim=")
-    if head_dim < 2 or head_dim % 2 or nq % head_dim or nkv % head_dim:
-        raise ValueError(f"qkv: head_dim={head_dim} must be even and divide wq's {nq} and "
-                         f"wk's {nkv} output features")
-    if start_pos < 0:
-        raise ValueError(f"qkv: start_pos={start_pos} must be >= 0")
+    if (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2
+            or head_dim % 2 or nq % head_dim or nkv % head_dim):
+        raise ValueError(f"qkv: head_dim={head_dim!r} must be an even integer that divides wq's "
+                         f"{nq} and wk's {nkv} output features (wq {tuple(wq.shape)}, wk "
+                         f"{tuple(wk.shape)})")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"qkv: interleaved={interleaved!r} must be True (pairs 2i, 2i+1) or "
+                        "False (pairs i, i + head_dim/2, Hugging Face's rotate_half)")
+    check_eps("qkv", eps)
     dtype = dtype_name(x.dtype)
     weights = fp8.check_weights("qkv", x, {"wq": wq, "wk": wk, "wv": wv},
                                 {"wq_scale": wq_scale, "wk_scale": wk_scale,
@@ -337,7 +372,23 @@ def qkv(
         scales = tuple(torch.ones(w.shape[0], dtype=torch.float32, device=x.device)
                        if s is None else s.contiguous() for w, s in zip((wq, wk, wv), given,
                                                                         strict=True))
+    biases = None
+    if any(b is not None for b in (bq, bk, bv)):  # the kernel adds all three or none
+        biases = []
+        for name, b, w in (("bq", bq, wq), ("bk", bk, wk), ("bv", bv, wv)):
+            if b is None:
+                b = torch.zeros(w.shape[0], dtype=x.dtype, device=x.device)
+            if b.shape != (w.shape[0],) or b.device != x.device:
+                raise ValueError(f"qkv: {name} must be [{w.shape[0]}] on {x.device}, got "
+                                 f"{tuple(b.shape)} on {b.device}")
+            dtype_name(b.dtype)  # raises for a bias dtype the kernel cannot read
+            biases.append(b.contiguous())
+        biases = tuple(biases)
+    cos, sin = check_tables(cos, sin, bsz, seq, head_dim, x.device, "qkv")
     check_device(x, "qkv")
+    check_no_grad("qkv", x, rms_weight, wq, wk, wv, bq, bk, bv)
+    if fp8_activations:
+        fp8.check_fp8_activations("qkv", weights, x.device)
     ws = [w if w.stride(-1) == 1 else w.contiguous() for w in (wq, wk, wv)]
     x2 = x.reshape(bsz * seq, d)
     if x2.stride(-1) != 1:
@@ -350,12 +401,13 @@ def qkv(
 
         dims = (("dim", d), ("head_dim", head_dim), ("interleaved", int(interleaved)),
                 ("n_heads", nq // head_dim), ("n_kv_heads", nkv // head_dim))
-        cfg = cached_config(SPEC, dims, dtype, bsz * seq, weights, x.device)
+        cfg = cached_config(SPEC, dims, dtype, bsz * seq, weights, x.device,
+                            activations="fp8" if fp8_activations else "")
     else:
         cfg = SPEC.validate_config(config)
     _launch_2d(x2, rms_weight.contiguous(), *ws, q.view(bsz * seq, nq), k.view(bsz * seq, nkv),
-               v.view(bsz * seq, nkv), seq, head_dim, int(start_pos), float(theta), float(eps),
-               bool(interleaved), cfg, scales)
+               v.view(bsz * seq, nkv), cos, sin, seq, head_dim, float(eps), interleaved, cfg,
+               scales, biases, bool(fp8_activations))
     return q, k, v
 
 
@@ -374,9 +426,15 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
         return fp8.spec_weight(torch.randn(n_heads * hd, d, device=device) / d**0.5, point)
 
     (wq, sq), (wk, sk), (wv, sv) = w(dm["n_heads"]), w(dm["n_kv_heads"]), w(dm["n_kv_heads"])
+    # Each row of the batch at other positions (as in a left-padded batch), tables in x's
+    # dtype as a rotary embedding returns them.
+    positions = (torch.arange(point.seq, device=device)[None, :] + 5
+                 + 3 * torch.arange(point.batch, device=device)[:, None])
+    cos, sin = rotary_tables(positions, hd, theta=10000.0, dtype=dtype)
     return {"x": x.to(dtype), "rms_weight": g.to(dtype), "wq": wq, "wk": wk, "wv": wv,
-            "wq_scale": sq, "wk_scale": sk, "wv_scale": sv, "start_pos": 5,
-            "theta": 10000.0, "eps": 1e-6, "head_dim": hd, "interleaved": bool(dm["interleaved"])}
+            "wq_scale": sq, "wk_scale": sk, "wv_scale": sv, "cos": cos, "sin": sin,
+            "eps": 1e-6, "head_dim": hd, "interleaved": bool(dm["interleaved"]),
+            "fp8_activations": point.fp8_activations}
 
 
 def _make_outputs(inputs: Tensors) -> Tensors:
@@ -389,12 +447,9 @@ def _make_outputs(inputs: Tensors) -> Tensors:
     return {"q": out(inputs["wq"]), "k": out(inputs["wk"]), "v": out(inputs["wv"])}
 
 
-def _rope_reference(t: torch.Tensor, start_pos: int, theta: float, interleaved: bool
-                    ) -> torch.Tensor:
-    from fusetune.kernels.rope import _reference as rope_reference
-
-    return rope_reference({"x": t, "start_pos": start_pos, "theta": theta,
-                           "interleaved": interleaved})["y"]
+def _bias(inputs: Tensors, w: str) -> torch.Tensor | float:
+    bias = inputs.get("b" + w[1:])
+    return 0.0 if bias is None else bias.float()
 
 
 def _reference(inputs: Tensors) -> Tensors:
@@ -404,11 +459,11 @@ def _reference(inputs: Tensors) -> Tensors:
     xn = xn * inputs["rms_weight"].float()
     b, s = x.shape[:2]
     q, k, v = (  # FP8 weights: the dequantized weights the kernel multiplies by
-        (xn @ fp8.spec_dequantized(inputs, w).T).view(b, s, -1, hd) for w in ("wq", "wk", "wv")
+        (xn @ fp8.spec_dequantized(inputs, w).T + _bias(inputs, w)).view(b, s, -1, hd)
+        for w in ("wq", "wk", "wv")
     )
-    rot = {"start_pos": inputs["start_pos"], "theta": inputs["theta"],
-           "interleaved": inputs["interleaved"]}
-    return {"q": _rope_reference(q, **rot), "k": _rope_reference(k, **rot), "v": v}
+    rot = (inputs["cos"], inputs["sin"], inputs["interleaved"])
+    return {"q": rotated(q, *rot), "k": rotated(k, *rot), "v": v}
 
 
 def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
@@ -416,10 +471,12 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
     b, s, d = x.shape
     q, k, v = outputs["q"], outputs["k"], outputs["v"]
     _launch_2d(x.view(b * s, d), inputs["rms_weight"], inputs["wq"], inputs["wk"], inputs["wv"],
-               q.view(b * s, -1), k.view(b * s, -1), v.view(b * s, -1), s, inputs["head_dim"],
-               inputs["start_pos"], inputs["theta"], inputs["eps"], inputs["interleaved"],
+               q.view(b * s, -1), k.view(b * s, -1), v.view(b * s, -1), inputs["cos"],
+               inputs["sin"], s, inputs["head_dim"], inputs["eps"], inputs["interleaved"],
                config, None if inputs.get("wq_scale") is None else
-               (inputs["wq_scale"], inputs["wk_scale"], inputs["wv_scale"]))
+               (inputs["wq_scale"], inputs["wk_scale"], inputs["wv_scale"]),
+               None if inputs.get("bq") is None else (inputs["bq"], inputs["bk"], inputs["bv"]),
+               inputs.get("fp8_activations", False))
 
 
 def _pairs(point: Point) -> int:
@@ -479,7 +536,7 @@ SPEC = KernelSpec(
     cost=_cost,
     canonical=_canonical,
     dims_from_model=_dims_from_model,
-    source_objects=(_qkv_kernel, sincos, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
+    source_objects=(_qkv_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
                     _rmsnorm_kernel, *fp8.FP8_SOURCES),
     **MATMUL_SPEC_FIELDS,
 )

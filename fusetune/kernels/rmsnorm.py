@@ -25,6 +25,8 @@ from fusetune.kernels._spec import (
     as_rows,
     cdiv,
     check_device,
+    check_eps,
+    check_no_grad,
     dtype_name,
     next_pow2,
     torch_dtype,
@@ -104,11 +106,12 @@ def _launch_2d(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, eps: floa
 def rmsnorm(
     x: torch.Tensor,
     weight: torch.Tensor,
-    eps: float = 1e-6,
     *,
+    eps: float,
     config: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
-    """RMSNorm over the last dimension of `x` (any leading shape), in float32, output in x.dtype.
+    """RMSNorm over the last dimension of `x` (any leading shape), in float32, output in x.dtype:
+    x · rsqrt(mean(x²) + eps) · weight, with the model's own `eps` (no default: models differ).
 
     The launch configuration comes from the lookup tables for this GPU and shape, unless
     `config` (BLOCK_D, ROWS, num_warps, num_stages) is given.
@@ -121,6 +124,8 @@ def rmsnorm(
     if weight.device != x.device:
         raise ValueError(f"rmsnorm: weight is on {weight.device}, x on {x.device}")
     check_device(x, "rmsnorm")
+    check_eps("rmsnorm", eps)
+    check_no_grad("rmsnorm", x, weight)
     dtype = dtype_name(x.dtype)
     dtype_name(weight.dtype)  # raises for weight dtypes the kernel cannot read
     x2 = as_rows(x, d)
@@ -134,6 +139,22 @@ def rmsnorm(
     else:
         cfg = SPEC.validate_config(config)
     _launch_2d(x2, weight.contiguous(), y2, float(eps), cfg)
+    return y
+
+
+def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [M, K] (unit column stride) into a new tensor: the matmul kernels' first
+    pass (PASSES = 2), whose callers checked the inputs. The config comes from the tables as
+    fusetune.rmsnorm's does, without a warning where none is tuned: the caller asked for the
+    matmul kernel, whose own lookup says what is missing."""
+    from fusetune.runtime import cached_config
+
+    m, d = x.shape
+    y = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    if m:
+        cfg = cached_config(SPEC, (("dim", d),), dtype_name(x.dtype), m, "", x.device,
+                            warn=False)
+        _launch_2d(x, weight, y, float(eps), cfg)
     return y
 
 

@@ -1,8 +1,12 @@
-"""Rotary position embedding: rotates each pair of x by angle (start_pos + s)·theta^(−2i/head_dim).
+"""Rotary position embedding: rotates each pair i of x's heads by its token's angle for pair i.
 
-interleaved=True pairs (2i, 2i+1) as in the original Llama code; interleaved=False pairs
-(i, i + head_dim/2) as in Hugging Face's rotate_half. Angles are computed in the kernel (no
-cos/sin tables), in float32; the output has x's dtype.
+The angles come as the caller's tables, as Hugging Face's rotary embeddings return them: cos and
+sin [batch or 1, seq, head_dim] (or head_dim/2), column i < head_dim/2 for pair i. So the
+model's own positions (per token), inverse frequencies, rope scaling and attention scaling are
+what the kernel applies. `rotary_tables` builds the tables of the plain (unscaled) rotary
+embedding. interleaved=True pairs (2i, 2i+1) as in the original Llama code; interleaved=False
+pairs (i, i + head_dim/2) as in Hugging Face's rotate_half. The rotation is computed in
+float32; the output has x's dtype.
 
 Tunables (search_spaces/rope.yaml): BLOCK_T (tokens per program), BLOCK_H (heads per program),
 num_warps. There is no loop, so no num_stages. The layout is a dim of the point (`interleaved`
@@ -11,7 +15,6 @@ num_warps. There is no loop, so no num_stages. The layout is a dim of the point 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
@@ -29,6 +32,7 @@ from fusetune.kernels._spec import (
     Tensors,
     cdiv,
     check_device,
+    check_no_grad,
     dtype_name,
     next_pow2,
     torch_dtype,
@@ -40,14 +44,14 @@ from fusetune.models import ModelPreset
 def _rope_kernel(
     X,  # *[B, S, H, D] input, unit stride along D
     Y,  # *[B, S, H, D] output, unit stride along D
+    COS, SIN,  # *[B or 1, S, >= D/2] tables, unit column stride: column i is pair i's
     T,  # tokens = B * S
-    S,  # sequence length (position of token t is start_pos + t % S)
+    S,  # sequence length: token t is (t // S, t % S)
     H,  # heads
     HALF,  # D // 2 pairs per head
-    start_pos,
-    neg_log2_theta_over_half,  # -log2(theta) / HALF: freq_i = 2 ** (i * this) = theta^(-2i/D)
     stride_xb, stride_xs, stride_xh,
     stride_yb, stride_ys, stride_yh,
+    stride_cb, stride_cs,  # the tables' batch stride (0: one row of positions for the batch)
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,  # next power of two >= HALF (tail pairs masked)
@@ -61,11 +65,12 @@ def _rope_kernel(
     b = t // S
     s = t % S
 
-    # Angles per (token, pair), shared by all heads of the program: [BLOCK_T, BLOCK_HALF].
-    freq = tl.exp2(i.to(tl.float32) * neg_log2_theta_over_half)
-    angle = (start_pos + s).to(tl.float32)[:, None] * freq[None, :]
-    cos = tl.cos(angle)[:, None, :]  # [BLOCK_T, 1, BLOCK_HALF], broadcast over heads
-    sin = tl.sin(angle)[:, None, :]
+    # cos and sin per (token, pair), shared by all heads of the program: [BLOCK_T, BLOCK_HALF],
+    # broadcast over the heads as [BLOCK_T, 1, BLOCK_HALF].
+    c_off = (b.to(tl.int64) * stride_cb + s.to(tl.int64) * stride_cs)[:, None] + i[None, :]
+    c_ok = (t < T)[:, None] & (i < HALF)[None, :]
+    cos = tl.load(COS + c_off, mask=c_ok, other=1.0).to(tl.float32)[:, None, :]
+    sin = tl.load(SIN + c_off, mask=c_ok, other=0.0).to(tl.float32)[:, None, :]
 
     # Element offsets of (token, head) row starts, in int64 (B*S*H*D can pass 2**31).
     x_row = (b.to(tl.int64) * stride_xb + s.to(tl.int64) * stride_xs)[:, None, None] \
@@ -95,9 +100,10 @@ def _rope_kernel(
         tl.store(Y + y_row + HALF + i[None, None, :], y1.to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch_4d(x: torch.Tensor, y: torch.Tensor, start_pos: int, theta: float, interleaved: bool,
-               config: Config) -> None:
-    """Launches on [B, S, H, D] tensors (unit stride along D) with exactly `config`."""
+def _launch_4d(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool, config: Config) -> None:
+    """Launches on [B, S, H, D] tensors (unit stride along D) and tables [B or 1, S, >= D/2]
+    (unit column stride) with exactly `config`."""
     bsz, seq, heads, d = x.shape
     tokens = bsz * seq
     if tokens == 0 or heads == 0:
@@ -105,25 +111,84 @@ def _launch_4d(x: torch.Tensor, y: torch.Tensor, start_pos: int, theta: float, i
     half = d // 2
     grid = (cdiv(tokens, config["BLOCK_T"]), cdiv(heads, config["BLOCK_H"]))
     _rope_kernel[grid](
-        x, y, tokens, seq, heads, half, start_pos, -math.log2(theta) / half,
+        x, y, cos, sin, tokens, seq, heads, half,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
         BLOCK_T=config["BLOCK_T"], BLOCK_H=config["BLOCK_H"], BLOCK_HALF=next_pow2(half),
         INTERLEAVED=interleaved, num_warps=config["num_warps"], num_stages=1,
     )
 
 
+def rotary_tables(positions: torch.Tensor, head_dim: int, *, theta: float,
+                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [..., head_dim] of the plain rotary embedding at integer `positions` [...]:
+    pair i turns by position · theta^(−2i/head_dim), both halves equal, as Hugging Face's
+    default rotary embedding builds them (computed in float32, returned in `dtype`). Models
+    with rope scaling build their own tables; pass those instead."""
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"rotary_tables: head_dim={head_dim} must be even and >= 2")
+    if not theta > 0:
+        raise ValueError(f"rotary_tables: theta={theta} must be > 0")
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = 1.0 / theta ** (steps / head_dim)
+    angles = positions.float()[..., None] * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+            ) -> torch.Tensor:
+    """The reference rotation, in float32: t [B, S, H, D] by tables [B or 1, S, >= D/2] (or
+    [S, >= D/2]), column i for pair i."""
+    t = t.float()
+    half = t.shape[-1] // 2
+    c = cos[..., :half].float().unsqueeze(-2)  # [.., S, 1, D/2]: one angle for all heads
+    s = sin[..., :half].float().unsqueeze(-2)
+    if interleaved:
+        a, b = t[..., 0::2], t[..., 1::2]
+        return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    a, b = t[..., :half], t[..., half:]
+    return torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+
+
+def check_tables(cos: torch.Tensor, sin: torch.Tensor, batch: int, seq: int, head_dim: int,
+                device: torch.device, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin checked as [batch or 1, seq, head_dim or head_dim/2] (a [seq, ...] table
+    serves the whole batch) and returned 3-D with unit column stride."""
+    tables = []
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.ndim == 2:
+            t = t.unsqueeze(0)
+        if (t.ndim != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq
+                or t.shape[2] not in (head_dim, head_dim // 2)):
+            raise ValueError(f"{kernel}: {name} has shape {tuple(t.shape)}; expected [{batch} or "
+                             f"1, {seq}, {head_dim} or {head_dim // 2}] (cos and sin of each "
+                             "token's angles, as a rotary embedding returns them)")
+        if t.device != device:
+            raise ValueError(f"{kernel}: {name} is on {t.device}, x on {device}")
+        dtype_name(t.dtype)  # raises for a dtype the kernel cannot read
+        tables.append(t if t.stride(-1) == 1 else t.contiguous())
+    if tables[0].shape != tables[1].shape:
+        raise ValueError(f"{kernel}: cos has shape {tuple(cos.shape)} and sin "
+                         f"{tuple(sin.shape)}; they must match")
+    return tables[0], tables[1]
+
+
 def rope(
     x: torch.Tensor,
-    start_pos: int = 0,
-    theta: float = 10000.0,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     *,
-    interleaved: bool = True,
+    interleaved: bool,
     config: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
-    """Rotary embedding of x [batch, seq, heads, head_dim]; returns a new tensor of x's dtype.
+    """Rotary embedding of x [batch, seq, heads, head_dim] by the tables cos and sin [batch or
+    1, seq, head_dim or head_dim/2] (column i < head_dim/2 for pair i: a rotary embedding's
+    output, or `rotary_tables`); returns a new tensor of x's dtype.
 
-    Position of x[:, s] is start_pos + s. The config (BLOCK_T, BLOCK_H, num_warps) comes from
-    the lookup tables for this GPU and shape unless `config` is given.
+    `interleaved` is the caller's layout, never guessed: True pairs (2i, 2i+1), False pairs
+    (i, i + head_dim/2) as Hugging Face's rotate_half. The config (BLOCK_T, BLOCK_H,
+    num_warps) comes from the lookup tables for this GPU and shape unless `config` is given.
     """
     if x.ndim != 4:
         raise ValueError(f"rope: x must be [batch, seq, heads, head_dim], got shape "
@@ -131,12 +196,13 @@ def rope(
     bsz, seq, heads, d = x.shape
     if d % 2:
         raise ValueError(f"rope: head_dim={d} must be even")
-    if start_pos < 0:
-        raise ValueError(f"rope: start_pos={start_pos} must be >= 0")
-    if not theta > 0:
-        raise ValueError(f"rope: theta={theta} must be > 0")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"rope: interleaved={interleaved!r} must be True (pairs 2i, 2i+1) or "
+                        "False (pairs i, i + head_dim/2, Hugging Face's rotate_half)")
     dtype = dtype_name(x.dtype)
     check_device(x, "rope")
+    cos, sin = check_tables(cos, sin, bsz, seq, d, x.device, "rope")
+    check_no_grad("rope", x)
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -147,7 +213,7 @@ def rope(
         cfg = cached_config(SPEC, dims, dtype, bsz * seq, "", x.device)
     else:
         cfg = SPEC.validate_config(config)
-    _launch_4d(x, y, int(start_pos), float(theta), bool(interleaved), cfg)
+    _launch_4d(x, y, cos, sin, interleaved, cfg)
     return y
 
 
@@ -156,10 +222,13 @@ def rope(
 
 def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     dims = point.dim
+    dtype = torch_dtype(point.dtype)
     x = torch.randn(point.batch, point.seq, dims["heads"], dims["head_dim"], device=device)
-    # A non-zero start position exercises the position offset (decode appends after a prompt).
-    return {"x": x.to(torch_dtype(point.dtype)), "start_pos": 7, "theta": 10000.0,
-            "interleaved": bool(dims["interleaved"])}
+    # Each row of the batch at other positions (as in a left-padded batch).
+    positions = (torch.arange(point.seq, device=device)[None, :] + 7
+                 + 3 * torch.arange(point.batch, device=device)[:, None])
+    cos, sin = rotary_tables(positions, dims["head_dim"], theta=10000.0, dtype=dtype)
+    return {"x": x.to(dtype), "cos": cos, "sin": sin, "interleaved": bool(dims["interleaved"])}
 
 
 def _make_outputs(inputs: Tensors) -> Tensors:
@@ -167,24 +236,12 @@ def _make_outputs(inputs: Tensors) -> Tensors:
 
 
 def _reference(inputs: Tensors) -> Tensors:
-    x = inputs["x"].double()
-    seq, d = x.shape[1], x.shape[3]
-    pos = inputs["start_pos"] + torch.arange(seq, dtype=torch.float64, device=x.device)
-    freq = inputs["theta"] ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
-    angle = (pos[:, None] * freq[None, :])[None, :, None, :]  # [1, S, 1, D/2]
-    cos, sin = angle.cos(), angle.sin()
-    if inputs["interleaved"]:
-        x0, x1 = x[..., 0::2], x[..., 1::2]
-        y = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-    else:
-        x0, x1 = x[..., : d // 2], x[..., d // 2 :]
-        y = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return {"y": y.float()}
+    return {"y": rotated(inputs["x"], inputs["cos"], inputs["sin"], inputs["interleaved"])}
 
 
 def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
-    _launch_4d(inputs["x"], outputs["y"], inputs["start_pos"], inputs["theta"],
-               inputs["interleaved"], config)
+    _launch_4d(inputs["x"], outputs["y"], inputs["cos"], inputs["sin"], inputs["interleaved"],
+               config)
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
@@ -217,7 +274,8 @@ def _resources(config: Config, point: Point) -> Resources:
 def _cost(point: Point) -> Cost:
     dims = point.dim
     n = point.rows * dims["heads"] * dims["head_dim"]
-    return Cost(bytes=2 * n * DTYPE_BYTES[point.dtype], flops=3 * n)
+    tables = 2 * point.rows * dims["head_dim"] // 2  # cos and sin, half a row each
+    return Cost(bytes=(2 * n + tables) * DTYPE_BYTES[point.dtype], flops=3 * n)
 
 
 def _dims_from_model(model: ModelPreset) -> dict[str, int]:
@@ -226,7 +284,7 @@ def _dims_from_model(model: ModelPreset) -> dict[str, int]:
 
 SPEC = KernelSpec(
     name="rope",
-    description="rotary position embedding on [batch, seq, heads, head_dim], angles in-kernel",
+    description="rotary position embedding on [batch, seq, heads, head_dim], cos/sin tables",
     dim_names=("head_dim", "heads", "interleaved"),
     config_keys=("BLOCK_T", "BLOCK_H", "num_warps"),
     pow2_keys=("BLOCK_T", "BLOCK_H", "num_warps"),

@@ -265,15 +265,17 @@ def load_grid(store: Store, storage: optuna.storages.BaseStorage, row: PointRow,
     """The stored grid of the point `row`, planned under its GPU's limits (from the catalogue:
     no GPU needed), with the nearest points' winners and the recorded evaluation time."""
     dims = json.loads(row.dims)
-    point = Point.make(row.kernel, dims, row.batch, row.seq, row.dtype, row.weights)
+    point = Point.make(row.kernel, dims, row.batch, row.seq, row.dtype, row.weight_format,
+                       row.activations)
     gpu = gpus.resolve(row.gpu)
     plan = make_plan(space, spec, point, gpu)
     # Keyed as today's configs are: a flag the kernel gained after the grid ran (absent from
     # its stored configs) had its default value there.
     measured = {config_key({**spec.flags, **r.config}): Measured(r.status, r.time_us, r.compile_s)
                 for r in store.results(row.id).values()}
-    key = PointKey(row.gpu, row.kernel, dims, row.batch, row.seq, row.dtype, row.weights,
-                   row.backend, row.kernel_hash, row.triton_version, row.torch_version)
+    key = PointKey(row.gpu, row.kernel, dims, row.batch, row.seq, row.dtype, row.weight_format,
+                   row.backend, row.kernel_hash, row.triton_version, row.torch_version,
+                   row.activations)
     eval_s, timed = recorded_eval_time(storage, row.study_name)
     return StoredGrid(point, plan, measured, spec.canonical(spec.default_config(point, gpu), point),
                       neighbour_winners(store, key, row.id, same_shape=False,

@@ -155,6 +155,7 @@ class Request:
     seqs: list[int]
     dtypes: list[str]
     weights: str = ""
+    activations: str = ""
 
 
 def make_points(req: Request) -> list[Point]:
@@ -166,7 +167,7 @@ def make_points(req: Request) -> list[Point]:
     for name, values in (("--batch", req.batches), ("--seq", req.seqs)):
         if not values or any(v < 1 for v in values):
             raise SearchError(f"{name} needs positive integers, got {values}")
-    return [Point.make(req.kernel, req.dims, b, s, d, req.weights)
+    return [Point.make(req.kernel, req.dims, b, s, d, req.weights, req.activations)
             for d in req.dtypes for s in req.seqs for b in req.batches]
 
 

@@ -89,14 +89,18 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
             return
         found.append((d, -n_rows, len(found), dict(config)))
 
+    # Points of the same activation mode only: FP8 activations take other structures (the
+    # norm always its own pass, FP8 tiles) than weight-only FP8.
     for p, w in store.winners(gpu=key.gpu, kernel=key.kernel):  # newest first
-        if p.id != point_id and p.backend == key.backend:
-            consider(json.loads(p.dims), max(1, p.batch * p.seq), p.dtype, p.weights,
+        if p.id != point_id and p.backend == key.backend and p.activations == key.activations:
+            consider(json.loads(p.dims), max(1, p.batch * p.seq), p.dtype, p.weight_format,
                      {**(flags or {}), **w.config})
     if use_tables and key.backend == "cuda":
         for weights in dict.fromkeys((key.weights, *WEIGHT_FORMATS)):  # consider() picks
+            if key.activations and not weights:
+                continue  # FP8 activations only beside FP8 weights
             for dims, dtype, n_rows, config in tables.tuned_entries(key.gpu, key.kernel,
-                                                                    weights):
+                                                                    weights, key.activations):
                 consider(dict(dims), n_rows, dtype, weights, config)
     found.sort(key=lambda t: t[:3])  # distance, more rows first, order found
     out: list[Config] = []

@@ -79,7 +79,7 @@ class Context:
             gpu=self.gpu.name, kernel=point.kernel, dims=point.dim, batch=point.batch,
             seq=point.seq, dtype=point.dtype, weights=point.weights, backend=self.backend,
             kernel_hash=self.spec.source_hash, triton_version=self.triton_version,
-            torch_version=self.torch_version)
+            torch_version=self.torch_version, activations=point.activations)
 
 
 @dataclass

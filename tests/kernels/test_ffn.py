@@ -37,7 +37,7 @@ def make(m: int, d: int, h: int, dtype: torch.dtype, seed: int = 0
 
 def check(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, **kw
           ) -> torch.Tensor:
-    out = fusetune.ffn(x, g, w1, w3, **kw)
+    out = fusetune.ffn(x, g, w1, w3, eps=1e-6, **kw)
     assert out.shape == (*x.shape[:-1], w1.shape[0]) and out.dtype == x.dtype
     assert torch.isfinite(out).all()
     ref = reference(x.cpu(), g.cpu(), w1.cpu(), w3.cpu(), kw.get("eps", 1e-6))
@@ -121,7 +121,7 @@ def test_gemv_spread_rows(rows: int, split: int, unroll: int, passes: int) -> No
     config = {"BLOCK_M": 1, "BLOCK_N": rows, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": passes,
               "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1}
     spread = check(x, g, w1, w3, config={**config, "SPREAD": 1})
-    assert torch.equal(spread, fusetune.ffn(x, g, w1, w3, config={**config, "SPREAD": 0}))
+    assert torch.equal(spread, fusetune.ffn(x, g, w1, w3, eps=1e-6, config={**config, "SPREAD": 0}))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -138,7 +138,7 @@ def test_gemv_thread_sum(dtype: torch.dtype, rows: int, bk: int, passes: int, sp
     config = {"BLOCK_M": 1, "BLOCK_N": rows, "BLOCK_K": bk, "GROUP_M": 1, "PASSES": passes,
               "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1}
     summed = check(x, g, w1, w3, config={**config, "THREAD_SUM": 1})
-    plain = fusetune.ffn(x, g, w1, w3, config={**config, "THREAD_SUM": 0})
+    plain = fusetune.ffn(x, g, w1, w3, eps=1e-6, config={**config, "THREAD_SUM": 0})
     assert torch.allclose(summed.float(), plain.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
@@ -215,21 +215,21 @@ def test_leading_shape_strides_and_eps() -> None:
 def test_bad_inputs() -> None:
     x, g, w1, w3 = make(2, 64, 32, torch.float16)
     with pytest.raises(ValueError, match="rms_weight has shape"):
-        fusetune.ffn(x, g[:8], w1, w3)
+        fusetune.ffn(x, g[:8], w1, w3, eps=1e-6)
     with pytest.raises(ValueError, match=r"nn\.Linear layout"):
-        fusetune.ffn(x, g, w1.T, w3)
+        fusetune.ffn(x, g, w1.T, w3, eps=1e-6)
     with pytest.raises(ValueError, match=r"nn\.Linear layout"):
-        fusetune.ffn(x, g, w1, w3[:16])
+        fusetune.ffn(x, g, w1, w3[:16], eps=1e-6)
     with pytest.raises(TypeError, match=r"w3 is torch\.float32"):
-        fusetune.ffn(x, g, w1, w3.float())
+        fusetune.ffn(x, g, w1, w3.float(), eps=1e-6)
     with pytest.raises(ConfigError, match="GROUP_M"):
-        fusetune.ffn(x, g, w1, w3, config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32,
+        fusetune.ffn(x, g, w1, w3, eps=1e-6, config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32,
                                             "num_warps": 2, "num_stages": 2})
 
 
 def test_empty_rows() -> None:
     x, g, w1, w3 = make(0, 64, 32, torch.float16)
-    assert fusetune.ffn(x, g, w1, w3).shape == (0, 32)
+    assert fusetune.ffn(x, g, w1, w3, eps=1e-6).shape == (0, 32)
 
 
 # ---- the spec -------------------------------------------------------------------------------

@@ -184,15 +184,42 @@ def test_tma_descriptors(split: int, dtype: torch.dtype, monkeypatch: pytest.Mon
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize(("rows", "config"), [
     (1, tiles(1, 16, 64, 2, UNROLL_K=1, THREAD_SUM=1)),
-    (37, {**tiles(16, 32, 32, 2), "TMA": 1, "ACT_FP8": 1, "PASSES": 1}),
+    (37, {**tiles(16, 32, 32, 2), "TMA": 1, "PASSES": 1}),
 ], ids=["gemv", "tiles"])
 def test_fp8_weights(fmt: str, rows: int, config: dict[str, int],
                      monkeypatch: pytest.MonkeyPatch) -> None:
-    # Scales applied after the split-K sums, before bias and residual. TMA = 1, ACT_FP8 = 1
-    # and PASSES = 1 all mean their one value here: weights upcast, read by pointers.
+    # Weight-only FP8 (the default), held to the 16-bit tolerance against the dequantized
+    # weights: scales applied after the split-K sums, before bias and residual. TMA = 1 and
+    # PASSES = 1 mean their one value here: weights upcast, read by pointers.
     made = descriptors_made(monkeypatch)
     check(make(rows, 312, N, torch.float16, fmt=fmt), config)
     assert made == []
+
+
+@pytest.mark.parametrize(("fmt", "rows", "config"), [
+    ("e4m3", 1, tiles(1, 16, 64, 2, UNROLL_K=1)),
+    ("e5m2", 37, {**tiles(16, 32, 32, 2), "TMA": 1}),
+], ids=["gemv", "tiles"])
+def test_fp8_activations(fmt: str, rows: int, config: dict[str, int],
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Asked for: x's rows quantized to e4m3 (no norm) with a scale each, FP8 by FP8 (through
+    # TMA where the config says so: 320 one-byte elements a row start on 16-byte boundaries);
+    # the reference rounds x the same way, and the result stays within the mode's stated
+    # bound of the plain one.
+    args = make(rows, 320, N, torch.float16, fmt=fmt)
+    made = descriptors_made(monkeypatch)
+    y = fusetune.linear(**args, fp8_activations=True, config=config)
+    assert made == [] if config["BLOCK_M"] == 1 else len(made) == 2
+    q, s = fp8.quantize_rows(args["x"].float())
+    wd = fp8.dequantize(args["weight"], args["weight_scale"]).double()
+    xq = q.double() * s.double()[..., None]
+    extra = args["bias"].double() + args["residual"].double()
+    for xin, tol in ((xq, 5e-3), (args["x"].double(), fp8.ACT_FP8_TOLERANCE["float16"])):
+        ref = xin @ wd.T + extra
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err <= tol, err
+    with pytest.raises(ValueError, match="fp8_activations=True needs FP8 weights"):
+        fusetune.linear(**make(rows, 320, N, torch.float16), fp8_activations=True)
 
 
 def test_fp8_weights_decoded_from_bytes_and_without_scales(monkeypatch: pytest.MonkeyPatch
@@ -213,20 +240,24 @@ def test_lookup_key_names_bias_and_residual(monkeypatch: pytest.MonkeyPatch) -> 
     asked: list[tuple[Any, ...]] = []
     real = runtime.cached_config
 
-    def cached_config(spec: Any, dims: Any, *args: Any) -> Any:
-        asked.append((dims, *args[:3]))
-        return real(spec, dims, *args)
+    def cached_config(spec: Any, dims: Any, *args: Any, **kw: Any) -> Any:
+        asked.append((dims, *args[:3], kw.get("activations", "")))
+        return real(spec, dims, *args, **kw)
 
     monkeypatch.setattr(runtime, "cached_config", cached_config)
     args = make(3, 64, 40, torch.float16, bias=False)
     fusetune.linear(**args)
     fusetune.linear(**{**args, "residual": None, "bias": torch.zeros(40, dtype=torch.float16,
                                                                      device=DEVICE)})
-    fusetune.linear(**{**args, "weight": fusetune.quantize_fp8(args["weight"])[0]})
+    fp8_args = {**args, "weight": fusetune.quantize_fp8(args["weight"])[0]}
+    fusetune.linear(**fp8_args)
+    fusetune.linear(**fp8_args, fp8_activations=True)
+    key = (("bias", 0), ("dim", 64), ("out", 40), ("residual", 1))
     assert asked == [
-        ((("bias", 0), ("dim", 64), ("out", 40), ("residual", 1)), "float16", 3, ""),
-        ((("bias", 1), ("dim", 64), ("out", 40), ("residual", 0)), "float16", 3, ""),
-        ((("bias", 0), ("dim", 64), ("out", 40), ("residual", 1)), "float16", 3, "fp8-e4m3"),
+        (key, "float16", 3, "", ""),
+        ((("bias", 1), ("dim", 64), ("out", 40), ("residual", 0)), "float16", 3, "", ""),
+        (key, "float16", 3, "fp8-e4m3", ""),
+        (key, "float16", 3, "fp8-e4m3", "fp8"),
     ]
 
 
@@ -238,17 +269,16 @@ def test_canonical_and_defaults() -> None:
                 q = point(rows, 14336, 4096, "bfloat16", bias=0, weights=weights)
                 c = SPEC.default_config(q, gpus.resolve(gpu))
                 assert SPEC.validate_config(c) == c == SPEC.canonical(c, q)
-                assert (c["PASSES"], c["ACT_FP8"]) == (2, 0)
+                assert c["PASSES"] == 2
                 assert check_fits(SPEC.resources(c, q), gpus.resolve(gpu)) is None
                 assert (c["BLOCK_M"] == 1) == (rows == 1)
     h100 = SPEC.default_config(p, gpus.resolve("h100"))
     assert h100["TMA"] == 1  # 4096 rows of 16-bit weights on a GPU with TMA
-    # PASSES and ACT_FP8 have one meaning: configs that differ only there are one kernel,
-    # priced alike.
-    one = {**tiles(64, 64, 64), "ACT_FP8": 0}
-    for other in ({**one, "PASSES": 1}, {**one, "ACT_FP8": 1}):
-        assert SPEC.canonical(other, p) == SPEC.canonical(one, p)
-        assert SPEC.resources(other, p) == SPEC.resources(one, p)
+    # PASSES has one meaning: configs that differ only there are one kernel, priced alike.
+    one = tiles(64, 64, 64)
+    other = {**one, "PASSES": 1}
+    assert SPEC.canonical(other, p) == SPEC.canonical(one, p)
+    assert SPEC.resources(other, p) == SPEC.resources(one, p)
     assert SPEC.canonical({**one, "TMA": 1}, p)["TMA"] == 1
     assert SPEC.canonical({**one, "TMA": 1}, point(4096, 14336, 4096, weights="fp8-e4m3")
                           )["TMA"] == 0
@@ -258,10 +288,10 @@ def test_canonical_and_defaults() -> None:
     assert SPEC.resources(gemv, point(2)).unfit.startswith("structure: ")
 
 
-def test_search_space_has_one_meaning_of_passes_and_act_fp8() -> None:
+def test_search_space_has_one_meaning_of_passes() -> None:
     space = load_space(SPEC)
     values = {p.name: p.values for p in space.params}
-    assert values["PASSES"] == (2,) and values["ACT_FP8"] == (0,)
+    assert values["PASSES"] == (2,) and "ACT_FP8" not in values
     assert [p.name for p in space.params] == list(SPEC.config_keys)
 
 

@@ -36,7 +36,7 @@ def make(m: int, d: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[tor
 
 
 def check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:
-    out = fusetune.lola(x, w, b, **kw)
+    out = fusetune.lola(x, w, b, eps=1e-5, **kw)
     assert out.shape == (*x.shape[:-1], w.shape[0]) and out.dtype == x.dtype
     assert torch.isfinite(out).all()
     ref = reference(x.cpu(), w.cpu(), b.cpu(), kw.get("eps", 1e-5))
@@ -93,7 +93,7 @@ def test_gemv_spread_rows(rows: int, passes: int, split: int, unroll: int) -> No
     config = {"BLOCK_M": 1, "BLOCK_N": rows, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": passes,
               "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1}
     spread = check(x, w, b, config={**config, "SPREAD": 1})
-    assert torch.equal(spread, fusetune.lola(x, w, b, config={**config, "SPREAD": 0}))
+    assert torch.equal(spread, fusetune.lola(x, w, b, eps=1e-5, config={**config, "SPREAD": 0}))
 
 
 @pytest.mark.parametrize("config", [
@@ -146,13 +146,13 @@ def test_layernorm_pass(m: int, k: int) -> None:
 def test_bad_inputs() -> None:
     x, w, b = make(2, 64, 32, torch.float16)
     with pytest.raises(ValueError, match=r"nn\.Linear layout"):
-        fusetune.lola(x, w.T, b)
+        fusetune.lola(x, w.T, b, eps=1e-5)
     with pytest.raises(ValueError, match="bias has shape"):
-        fusetune.lola(x, w, b[:3])
+        fusetune.lola(x, w, b[:3], eps=1e-5)
     with pytest.raises(TypeError, match=r"weight is torch\.float32"):
-        fusetune.lola(x, w.float(), b)
+        fusetune.lola(x, w.float(), b, eps=1e-5)
     with pytest.raises(ConfigError, match="BLOCK_K=48 must be a power of two"):
-        fusetune.lola(x, w, b, config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 48,
+        fusetune.lola(x, w, b, eps=1e-5, config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 48,
                                        "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1, "num_warps": 2,
                                        "num_stages": 2})
 
@@ -271,7 +271,7 @@ def test_gpu_folded_norm_on_tensor_cores_is_exact_every_launch(
               "SPLIT_K": 1, "num_warps": warps, "num_stages": stages}
     x, w, b = make(m, d, n, torch.float16)
     ref = reference(x.cpu(), w.cpu(), b.cpu())
-    outs = [fusetune.lola(x, w, b, config=config) for _ in range(4)]
+    outs = [fusetune.lola(x, w, b, eps=1e-5, config=config) for _ in range(4)]
     for out in outs:
         err = float((out.cpu().double() - ref).norm() / ref.norm())
         assert err <= 1e-3, f"relative error {err:.3e}"

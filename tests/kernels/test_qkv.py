@@ -1,4 +1,7 @@
-"""fusetune.qkv (RMSNorm -> Q, K, V -> RoPE on q, k) against plain torch (interpreter on CPU)."""
+"""fusetune.qkv (RMSNorm -> Q, K, V (+ bias) -> RoPE on q, k) against plain torch (interpreter on
+CPU). The reference rotates with angles of its own, in float64 (Llama's complex numbers for
+interleaved pairs, Hugging Face's rotate_half otherwise); the kernel gets them as cos/sin
+tables, per token, the way a rotary embedding hands them over."""
 
 from __future__ import annotations
 
@@ -6,43 +9,52 @@ import warnings
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from launched import compiled_kernels, descriptors_made
 
 import fusetune
 from fusetune import gpus
 from fusetune.kernels import qkv as qkv_mod
 from fusetune.kernels._spec import ConfigError, Point, check_fits
-from fusetune.kernels._trig import sincos
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
 SPEC = qkv_mod.SPEC
+THETA = 10000.0
 
 
-def rope(t: torch.Tensor, start_pos: int, theta: float, interleaved: bool) -> torch.Tensor:
-    """Llama's complex-number RoPE, or Hugging Face's rotate_half, in float64."""
-    _, s, _, d = t.shape
-    freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = torch.outer(torch.arange(start_pos, start_pos + s, dtype=torch.float64), freqs)
+def positions(b: int, s: int, start: int = 3) -> torch.Tensor:
+    """[b, s] positions, each row of the batch elsewhere (as in a left-padded batch)."""
+    return torch.arange(s)[None, :] + start + 5 * torch.arange(b)[:, None]
+
+
+def angles(pos: torch.Tensor, hd: int, scale: float = 1.0) -> torch.Tensor:
+    """[b, s, hd/2] angles of the plain rotary embedding, float64; `scale` stretches them as a
+    position-interpolating rope scaling would."""
+    inv_freq = 1.0 / THETA ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    return pos.double()[..., None] * inv_freq / scale
+
+
+def tables(ang: torch.Tensor, dtype: torch.dtype, attn_scale: float = 1.0
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [b, s, hd] as Hugging Face's rotary embedding returns them (both halves equal,
+    times the attention scaling, in the activations' dtype)."""
+    emb = torch.cat((ang, ang), dim=-1)
+    return tuple((f(emb) * attn_scale).to(device=DEVICE, dtype=dtype) for f in (torch.cos,
+                                                                               torch.sin))
+
+
+def rope_ref(t: torch.Tensor, ang: torch.Tensor, interleaved: bool, attn_scale: float = 1.0
+             ) -> torch.Tensor:
+    """t [b, s, h, d] float64 rotated by ang [b, s, d/2]."""
+    a = ang[:, :, None, :]
     if interleaved:
         tc = torch.view_as_complex(t.reshape(*t.shape[:-1], -1, 2).contiguous())
-        return torch.view_as_real(tc * torch.polar(torch.ones_like(ang), ang)[None, :, None]
-                                  ).flatten(3)
-    emb = torch.cat((ang, ang), dim=-1)[None, :, None, :]
-    rotated = torch.cat((-t[..., d // 2 :], t[..., : d // 2]), dim=-1)
-    return t * emb.cos() + rotated * emb.sin()
-
-
-def reference(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
-              wv: torch.Tensor, head_dim: int, start_pos: int, interleaved: bool,
-              theta: float = 10000.0, eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
-    xd = x.double()
-    xn = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
-    b, s, _ = x.shape
-    q, k, v = ((xn @ w.double().T).view(b, s, -1, head_dim) for w in (wq, wk, wv))
-    return rope(q, start_pos, theta, interleaved), rope(k, start_pos, theta, interleaved), v
+        out = torch.view_as_real(tc * torch.polar(torch.ones_like(a), a)).flatten(3)
+    else:
+        emb = torch.cat((a, a), dim=-1)
+        half = t.shape[-1] // 2
+        out = t * emb.cos() + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * emb.sin()
+    return out * attn_scale
 
 
 def make(b: int, s: int, d: int, n_heads: int, n_kv: int, hd: int, dtype: torch.dtype,
@@ -54,15 +66,46 @@ def make(b: int, s: int, d: int, n_heads: int, n_kv: int, hd: int, dtype: torch.
     return tuple(t.to(device=DEVICE, dtype=dtype) for t in (x, g, *ws))
 
 
-def check(tensors: tuple[torch.Tensor, ...], head_dim: int, start_pos: int = 0,
-          interleaved: bool = True, **kw) -> tuple[torch.Tensor, ...]:
-    x, g, wq, wk, wv = tensors
-    outs = fusetune.qkv(x, g, wq, wk, wv, start_pos, head_dim=head_dim,
-                        interleaved=interleaved, **kw)
-    refs = reference(*(t.cpu() for t in tensors), head_dim, start_pos, interleaved)
+def make_bias(tensors: tuple[torch.Tensor, ...], seed: int = 1) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple((0.5 * torch.randn(w.shape[0], generator=gen)).to(device=DEVICE, dtype=w.dtype)
+                 for w in tensors[2:])
+
+
+def reference(tensors: tuple[torch.Tensor, ...], head_dim: int, ang: torch.Tensor,
+              interleaved: bool, bias: tuple[torch.Tensor, ...] | None = None,
+              attn_scale: float = 1.0, eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
+    x, g, *ws = (t.cpu().double() for t in tensors)
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
+    b, s, _ = x.shape
+    bs = [0.0] * 3 if bias is None else [t.cpu().double() for t in bias]
+    q, k, v = ((xn @ w.T + bb).view(b, s, -1, head_dim) for w, bb in zip(ws, bs, strict=True))
+    return (rope_ref(q, ang, interleaved, attn_scale), rope_ref(k, ang, interleaved, attn_scale),
+            v)
+
+
+def check(tensors: tuple[torch.Tensor, ...], head_dim: int, interleaved: bool = True,
+          pos: torch.Tensor | None = None, bias: tuple[torch.Tensor, ...] | None = None,
+          attn_scale: float = 1.0, table: str = "hf", **kw) -> tuple[torch.Tensor, ...]:
+    """fusetune.qkv against the reference. table: "hf" ([b, s, hd] as HF returns them),
+    "half" ([b, s, hd/2]), "shared" ([1, s, hd]: one row of positions for the whole batch)."""
+    x = tensors[0]
+    b, s = x.shape[:2]
+    pos = positions(b, s) if pos is None else pos
+    if table == "shared":
+        pos = pos[:1]
+    ang = angles(pos, head_dim)
+    cos, sin = tables(ang, x.dtype, attn_scale)
+    if table == "half":
+        cos, sin = cos[..., : head_dim // 2], sin[..., : head_dim // 2]
+    biases = {} if bias is None else dict(zip(("bq", "bk", "bv"), bias, strict=True))
+    outs = fusetune.qkv(*tensors, cos, sin, eps=1e-6, head_dim=head_dim,
+                        interleaved=interleaved, **biases, **kw)
+    refs = reference(tensors, head_dim, ang.expand(b, -1, -1), interleaved, bias, attn_scale)
     for name, out, ref in zip("qkv", outs, refs, strict=True):
         assert out.shape == ref.shape and out.dtype == x.dtype, name
         err = float((out.cpu().double() - ref).norm() / ref.norm())
+        # cos and sin rounded to x's dtype, as the model hands them over, cost a little more.
         assert err <= TOL[x.dtype], f"{name}: relative error {err:.3e} > {TOL[x.dtype]:.1e}"
     return outs
 
@@ -73,29 +116,55 @@ def _tables(fresh_tables: None) -> None:
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize(("b", "s", "d", "nh", "nkv", "hd"), [
-    (1, 1, 64, 4, 2, 8),  # decode, grouped-query
-    (2, 5, 48, 4, 4, 8),  # multi-head
-    (1, 37, 64, 8, 2, 16),  # awkward token count
+@pytest.mark.parametrize(("dtype", "b", "s", "d", "nh", "nkv", "hd"), [
+    (torch.float32, 1, 1, 64, 4, 2, 8),  # decode, grouped-query
+    (torch.float16, 2, 5, 48, 4, 4, 8),  # multi-head, each row of the batch at its positions
+    (torch.float16, 1, 37, 64, 8, 2, 16),  # awkward token count
 ])
 def test_matches_reference(b: int, s: int, d: int, nh: int, nkv: int, hd: int,
                            dtype: torch.dtype, interleaved: bool) -> None:
-    check(make(b, s, d, nh, nkv, hd, dtype), hd, start_pos=3, interleaved=interleaved)
+    check(make(b, s, d, nh, nkv, hd, dtype), hd, interleaved=interleaved)
+
+
+def test_small_heads_need_their_layout() -> None:
+    # 4 query heads and 2 KV heads of 64 (dim 256): 128 also divides both widths, so a guess
+    # would split q into 2 heads of 128 and rotate the wrong pairs. Without head_dim: an error.
+    tensors = make(1, 3, 256, 4, 2, 64, torch.float32)
+    cos, sin = tables(angles(positions(1, 3), 64), torch.float32)
+    with pytest.raises(TypeError, match="head_dim"):
+        fusetune.qkv(*tensors, cos, sin, eps=1e-6, interleaved=False)  # type: ignore[call-arg]
+    q, k, v = check(tensors, 64, interleaved=False)
+    assert q.shape == (1, 3, 4, 64) and k.shape == v.shape == (1, 3, 2, 64)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize(("nh", "nkv", "hd"), [(32, 8, 64), (4, 2, 128)])
-def test_llama_head_layouts(nh: int, nkv: int, hd: int, interleaved: bool) -> None:
-    # n_kv_heads=8 with n_heads=32 (Llama-3 GQA) and head_dim 64 and 128, inferred from shapes
-    # where it can be (128 divides both widths).
-    tensors = make(1, 3, 64, nh, nkv, hd, torch.float16)
-    x, g, wq, wk, wv = tensors
-    q, k, v = check(tensors, hd, start_pos=9, interleaved=interleaved)
-    assert q.shape == (1, 3, nh, hd) and k.shape == v.shape == (1, 3, nkv, hd)
-    if hd == 128:
-        inferred = fusetune.qkv(x, g, wq, wk, wv, 9, interleaved=interleaved)
-        assert all(torch.equal(a, b) for a, b in zip(inferred, (q, k, v), strict=True))
+def test_bias_tables_and_scaling(interleaved: bool) -> None:
+    # Qwen2's q/k/v bias (added before the rotation), tables of half width and one row of
+    # positions shared by the batch, and attention scaling folded into cos and sin.
+    tensors = make(2, 4, 64, 4, 2, 16, torch.float32)
+    check(tensors, 16, interleaved=interleaved, bias=make_bias(tensors), attn_scale=1.25)
+    check(tensors, 16, interleaved=interleaved, table="half")
+    check(tensors, 16, interleaved=interleaved, table="shared")
+    # Only one of the three biases: the others are zero.
+    wk, wv = tensors[3:]
+    bq = make_bias(tensors)[0]
+    only_q = check(tensors, 16, interleaved=interleaved,
+                   bias=(bq, torch.zeros_like(wk[:, 0]), torch.zeros_like(wv[:, 0])))
+    cos, sin = tables(angles(positions(2, 4), 16), torch.float32)
+    got = fusetune.qkv(*tensors, cos, sin, eps=1e-6, head_dim=16, interleaved=interleaved,
+                       bq=bq)
+    assert all(torch.equal(a, b) for a, b in zip(got, only_q, strict=True))
+
+
+def test_positions_are_per_token() -> None:
+    # Two rows of one batch at unrelated positions (a long prompt and a short, left-padded
+    # one): each row is rotated by its own angles, not by one start position for all.
+    tensors = make(2, 3, 64, 4, 2, 16, torch.float32)
+    pos = torch.tensor([[0, 1, 2], [4093, 4094, 4095]])
+    check(tensors, 16, interleaved=False, pos=pos)
+
+
+GEMV = {"BLOCK_M": 1, "GROUP_M": 1, "num_stages": 1}
 
 
 @pytest.mark.parametrize("config", [
@@ -108,54 +177,41 @@ def test_llama_head_layouts(nh: int, nkv: int, hd: int, interleaved: bool) -> No
     {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 2, "SPLIT_K": 2,
      "num_warps": 4, "num_stages": 3},
     # BLOCK_M = 1: one row per program, no tensor cores (the decode structure)
-    {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
-     "num_warps": 2, "num_stages": 1},
-    {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 2,
-     "num_warps": 4, "num_stages": 2},
+    {**GEMV, "BLOCK_N": 8, "BLOCK_K": 32, "PASSES": 1, "SPLIT_K": 1, "num_warps": 2},
+    {**GEMV, "BLOCK_N": 16, "BLOCK_K": 64, "PASSES": 2, "SPLIT_K": 2, "num_warps": 4},
     # two K-steps per iteration (K = 96: two steps of 32 and an empty one after the third)
-    {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
-     "UNROLL_K": 1, "num_warps": 2, "num_stages": 1},
-    # one or two pairs per program, the whole row in one iteration (two steps of 64 over 96)
-    {"BLOCK_M": 1, "BLOCK_N": 1, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
-     "UNROLL_K": 1, "num_warps": 2, "num_stages": 1},
-    {"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 128, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
-     "UNROLL_K": 0, "num_warps": 4, "num_stages": 1},
+    {**GEMV, "BLOCK_N": 8, "BLOCK_K": 32, "PASSES": 1, "SPLIT_K": 1, "UNROLL_K": 1,
+     "num_warps": 2},
+    # one pair per program, the whole row in one iteration (two steps of 64 over 96)
+    {**GEMV, "BLOCK_N": 1, "BLOCK_K": 64, "PASSES": 1, "SPLIT_K": 1, "UNROLL_K": 1,
+     "num_warps": 2},
 ])
 def test_configs(config: dict[str, int]) -> None:
-    # Blocks straddle heads and the Q/K/V boundaries, rows span several row-blocks.
-    check(make(2, 35, 96, 6, 2, 12, torch.float16), 12, start_pos=1, config=config)
+    # Blocks straddle heads and the Q/K/V boundaries, rows span several row-blocks (the
+    # one-row structure: a program per row, so a few rows show it), with bias.
+    rows = (1, 3) if config["BLOCK_M"] == 1 else (2, 19)
+    tensors = make(*rows, 96, 6, 2, 12, torch.float16)
+    check(tensors, 12, bias=make_bias(tensors), config=config)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize(("pairs", "split", "unroll"), [(4, 1, 1), (8, 2, 0), (2, 1, 0)])
-def test_gemv_spread_pairs(interleaved: bool, pairs: int, split: int, unroll: int) -> None:
+@pytest.mark.parametrize(("pairs", "split", "unroll", "thread_sum"),
+                         [(4, 1, 1, 0), (8, 2, 0, 1), (2, 1, 0, 1)])
+def test_gemv_spread_and_thread_sum(interleaved: bool, pairs: int, split: int, unroll: int,
+                                    thread_sum: int) -> None:
     # SPREAD = 1: a program's pairs lie cdiv(n_pairs, BLOCK_N) apart in their matrix, across
     # heads (12 heads of 12 for Q, 3 of K and V: 72 and 18 pairs), stored column by column.
-    # The same K loop as with adjacent pairs: bit-identical outputs.
+    # The same K loop as with adjacent pairs: bit-identical outputs. THREAD_SUM = 1: each
+    # thread's 16-byte run of a weight row added up first; 96-wide rows leave a partial step.
     tensors = make(1, 2, 96, 12, 3, 12, torch.float16)
-    config = {"BLOCK_M": 1, "BLOCK_N": pairs, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1,
-              "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1}
-    spread = check(tensors, 12, start_pos=3, interleaved=interleaved,
-                   config={**config, "SPREAD": 1})
-    x, g, wq, wk, wv = tensors
-    adjacent = fusetune.qkv(x, g, wq, wk, wv, 3, head_dim=12, interleaved=interleaved,
+    config = {**GEMV, "BLOCK_N": pairs, "BLOCK_K": 64, "PASSES": 1, "SPLIT_K": split,
+              "UNROLL_K": unroll, "THREAD_SUM": thread_sum, "num_warps": 2}
+    spread = check(tensors, 12, interleaved=interleaved, config={**config, "SPREAD": 1})
+    cos, sin = tables(angles(positions(1, 2), 12), torch.float16)
+    adjacent = fusetune.qkv(*tensors, cos, sin, eps=1e-6, head_dim=12, interleaved=interleaved,
                             config={**config, "SPREAD": 0})
     for a, b in zip(spread, adjacent, strict=True):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize(("pairs", "split", "unroll", "spread"),
-                         [(4, 1, 1, 0), (8, 2, 0, 1), (2, 1, 0, 0)])
-def test_gemv_thread_sum(interleaved: bool, pairs: int, split: int, unroll: int,
-                         spread: int) -> None:
-    # THREAD_SUM = 1: each thread's 16-byte run of a weight row added up before accumulating;
-    # 96-wide rows leave a partial K-step.
-    config = {"BLOCK_M": 1, "BLOCK_N": pairs, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": 1,
-              "SPLIT_K": split, "UNROLL_K": unroll, "SPREAD": spread, "THREAD_SUM": 1,
-              "num_warps": 2, "num_stages": 1}
-    check(make(1, 2, 96, 12, 3, 12, torch.float16), 12, start_pos=3, interleaved=interleaved,
-          config=config)
 
 
 TMA = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 4, "PASSES": 2, "SPLIT_K": 1,
@@ -163,23 +219,20 @@ TMA = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 4, "PASSES": 2, "
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("split", [1, 2])
-def test_tma_descriptors(interleaved: bool, dtype: torch.dtype, split: int,
+@pytest.mark.parametrize(("dtype", "split", "d"), [(torch.float16, 1, 96),
+                                                   (torch.float32, 2, 3000)])
+def test_tma_descriptors(interleaved: bool, dtype: torch.dtype, split: int, d: int,
                          monkeypatch: pytest.MonkeyPatch) -> None:
     # x and, per matrix, the rows of the pairs' columns a and b through descriptors: the even
     # and odd rows (interleaved), or W itself read from two row offsets (half-split, 16-pair
-    # tiles within 16-pair heads). 70 tokens leave a partial row tile; K = 96 is three whole
+    # tiles within 16-pair heads). 35 tokens leave a partial row tile; K = 96 is three whole
     # K-steps, K = 3000 ends with a partial one.
     made = descriptors_made(monkeypatch)
-    for d in (96, 3000):
-        made.clear()
-        check(make(2, 35, d, 6, 2, 32, dtype), 32, start_pos=3, interleaved=interleaved,
-              config={**TMA, "SPLIT_K": split})
-        assert len(made) == 7
-        n_rows = [t.shape[0] for t in made[1:]]
-        assert n_rows == ([96, 96, 32, 32, 32, 32] if interleaved else
-                          [192, 192, 64, 64, 64, 64])
+    check(make(1, 35, d, 6, 2, 32, dtype), 32, interleaved=interleaved,
+          config={**TMA, "SPLIT_K": split})
+    assert len(made) == 7
+    n_rows = [t.shape[0] for t in made[1:]]
+    assert n_rows == ([96, 96, 32, 32, 32, 32] if interleaved else [192, 192, 64, 64, 64, 64])
 
 
 def test_no_row_views_without_tma(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,15 +257,18 @@ def test_no_row_views_without_tma(monkeypatch: pytest.MonkeyPatch) -> None:
             return launch
 
     tensors = make(1, 3, 96, 6, 2, 32, torch.float16)
+    ang = angles(positions(1, 3), 32)
+    cos, sin = tables(ang, torch.float16)
     monkeypatch.setattr(qkv_mod, "_qkv_kernel", Recorder())
     monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
-    gemv = {"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
-            "UNROLL_K": 1, "num_warps": 2, "num_stages": 1}
-    outs = fusetune.qkv(*tensors, head_dim=32, config=gemv)
+    gemv = {**GEMV, "BLOCK_N": 2, "BLOCK_K": 64, "PASSES": 1, "SPLIT_K": 1, "UNROLL_K": 1,
+            "num_warps": 2}
+    outs = fusetune.qkv(*tensors, cos, sin, eps=1e-6, head_dim=32, interleaved=True,
+                        config=gemv)
     monkeypatch.undo()
     assert sliced == []
     assert len(args) == 1 and args[0][5:11] == (None,) * 6  # X, G, WQ, WK, WV, then QA..VB
-    refs = reference(*(t.cpu() for t in tensors), 32, 0, True)
+    refs = reference(tensors, 32, ang, True)
     for name, out, ref in zip("qkv", outs, refs, strict=True):
         err = float((out.cpu().double() - ref).norm() / ref.norm())
         assert err <= TOL[torch.float16], f"{name}: relative error {err:.3e}"
@@ -221,7 +277,7 @@ def test_no_row_views_without_tma(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tma_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     made = descriptors_made(monkeypatch)
     # Half-split tiles of 32 pairs span two heads of 16: pointers, right results.
-    check(make(2, 35, 96, 6, 2, 32, torch.float16), 32, interleaved=False,
+    check(make(1, 35, 96, 6, 2, 32, torch.float16), 32, interleaved=False,
           config={**TMA, "BLOCK_N": 32})
     # Rows of 100 float16 (200 bytes) do not start on 16-byte boundaries; TMA with the norm
     # folded in: pointers.
@@ -245,24 +301,50 @@ def test_tma_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bad_inputs() -> None:
-    x, g, wq, wk, wv = make(1, 2, 64, 4, 2, 8, torch.float16)
+    tensors = make(1, 2, 64, 4, 2, 8, torch.float16)
+    x, g, wq, wk, wv = tensors
+    cos, sin = tables(angles(positions(1, 2), 8), torch.float16)
+    layout = {"eps": 1e-6, "head_dim": 8, "interleaved": True}
     with pytest.raises(ValueError, match=r"batch, seq, dim"):
-        fusetune.qkv(x[0], g, wq, wk, wv, head_dim=8)
+        fusetune.qkv(x[0], g, wq, wk, wv, cos, sin, **layout)
     with pytest.raises(ValueError, match=r"wk must be \[out_features, 64\]"):
-        fusetune.qkv(x, g, wq, wk.T, wv, head_dim=8)
+        fusetune.qkv(x, g, wq, wk.T, wv, cos, sin, **layout)
     with pytest.raises(ValueError, match="same shape"):
-        fusetune.qkv(x, g, wq, wk, wv[:8], head_dim=8)
-    with pytest.raises(ValueError, match="head_dim=6 must be even and divide"):
-        fusetune.qkv(x, g, wq, wk, wv, head_dim=6)
-    with pytest.raises(ValueError, match="cannot infer head_dim"):
-        fusetune.qkv(x, g, wq, wk, wv)
+        fusetune.qkv(x, g, wq, wk, wv[:8], cos, sin, **layout)
+    with pytest.raises(ValueError, match=r"head_dim=6 must be an even integer that divides "
+                                         r"wq's 32 and wk's 16 output features"):
+        fusetune.qkv(*tensors, cos, sin, **{**layout, "head_dim": 6})
+    with pytest.raises(TypeError, match="interleaved=1 must be True"):
+        fusetune.qkv(*tensors, cos, sin, **{**layout, "interleaved": 1})
+    for eps in (-1.0, 0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"eps=.* must be a positive finite number"):
+            fusetune.qkv(*tensors, cos, sin, **{**layout, "eps": eps})
+    with pytest.raises(ValueError, match=r"cos has shape \(1, 3, 8\); expected \[1 or 1, 2, 8 "
+                                         r"or 4\]"):
+        fusetune.qkv(*tensors, *tables(angles(positions(1, 3), 8), torch.float16), **layout)
+    with pytest.raises(ValueError, match=r"cos has shape .* and sin"):
+        fusetune.qkv(*tensors, cos, sin[..., :4], **layout)
+    with pytest.raises(ValueError, match=r"bk must be \[16\]"):
+        fusetune.qkv(*tensors, cos, sin, bk=torch.zeros(8, dtype=x.dtype, device=DEVICE),
+                     **layout)
     with pytest.raises(TypeError, match=r"wv is torch\.float32"):
-        fusetune.qkv(x, g, wq, wk, wv.float(), head_dim=8)
+        fusetune.qkv(x, g, wq, wk, wv.float(), cos, sin, **layout)
     with pytest.raises(ConfigError, match="num_stages"):
-        fusetune.qkv(x, g, wq, wk, wv, head_dim=8,
+        fusetune.qkv(*tensors, cos, sin, **layout,
                      config={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1,
-                             "PASSES": 1, "SPLIT_K": 1,
-                             "num_warps": 2})
+                             "PASSES": 1, "SPLIT_K": 1, "num_warps": 2})
+
+
+def test_inputs_that_require_grad_are_refused() -> None:
+    # No backward pass: a silently detached output would train nothing.
+    x, g, wq, wk, wv = make(1, 2, 64, 4, 2, 8, torch.float32)
+    cos, sin = tables(angles(positions(1, 2), 8), torch.float32)
+    layout = {"eps": 1e-6, "head_dim": 8, "interleaved": True}
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        fusetune.qkv(x, g, wq.requires_grad_(), wk, wv, cos, sin, **layout)
+    with torch.no_grad():
+        q, _, _ = fusetune.qkv(x, g, wq, wk, wv, cos, sin, **layout)
+    assert not q.requires_grad
 
 
 def llama_point(rows: int) -> Point:
@@ -289,12 +371,28 @@ def test_spec() -> None:
         assert actual <= SPEC.resources(c, llama_point(4096)).smem_bytes <= 1.2 * actual
 
 
+def test_spec_inputs_match_the_reference() -> None:
+    # What the tuner checks every config against: the spec's own inputs (per-token tables in
+    # x's dtype) and reference, through the default config.
+    p = Point.make("qkv", {"dim": 64, "head_dim": 16, "interleaved": 0, "n_heads": 4,
+                           "n_kv_heads": 2}, 2, 3, "float32")
+    inputs = SPEC.make_inputs(p, DEVICE)
+    outputs = SPEC.make_outputs(inputs)
+    SPEC.launch(inputs, outputs, SPEC.canonical(SPEC.default_config(p, gpus.INTERPRETER), p))
+    ref = SPEC.reference(inputs)
+    for name in "qkv":
+        err = float((outputs[name].float() - ref[name]).norm() / ref[name].norm())
+        assert err <= SPEC.tolerance["float32"], (name, err)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 300])
 def test_gpu_llama_dims(dtype: torch.dtype, interleaved: bool, rows: int) -> None:
-    check(make(1, rows, 4096, 32, 8, 128, dtype), 128, start_pos=4000, interleaved=interleaved)
+    tensors = make(2, rows, 4096, 32, 8, 128, dtype)
+    check(tensors, 128, interleaved=interleaved, pos=positions(2, rows, start=4000),
+          bias=make_bias(tensors))
 
 
 @pytest.mark.gpu
@@ -310,34 +408,13 @@ def test_gpu_tma_descriptors(dtype: torch.dtype, interleaved: bool, rows: int, s
     c = SPEC.canonical({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8,
                         "PASSES": 2, "SPLIT_K": split, "TMA": 1, "num_warps": 8,
                         "num_stages": 3}, p)
-    check(make(1, rows, 4096, 32, 8, 128, dtype), 128, start_pos=4000, interleaved=interleaved,
-          config=c)
+    check(make(1, rows, 4096, 32, 8, 128, dtype), 128, interleaved=interleaved,
+          pos=positions(1, rows, start=4000), config=c)
     assert len(made) == 7
     # The shared memory the compiler allocated: never more than the model predicts.
     actual = max(k.metadata.shared for k in compiled)
     predicted = SPEC.resources(c, p).smem_bytes
     assert actual <= predicted <= 1.5 * actual, (actual, predicted)
-
-
-@triton.jit
-def _sincos_kernel(A, S, C, N: tl.constexpr):
-    r = tl.arange(0, N)
-    s, c = sincos(tl.load(A + r))
-    tl.store(S + r, s)
-    tl.store(C + r, c)
-
-
-def test_sincos_accuracy() -> None:
-    """The epilogue's polynomial sin/cos against float64, over angles up to 1e5 radians."""
-    kernel = _sincos_kernel
-    n = 4096
-    a = torch.cat([torch.linspace(-10.0, 10.0, n // 2), torch.linspace(0.0, 1e5, n // 2)])
-    a = a.to(DEVICE)
-    s, c = torch.empty_like(a), torch.empty_like(a)
-    kernel[(1,)](a, s, c, n)
-    ad = a.double().cpu()
-    assert float((s.double().cpu() - ad.sin()).abs().max()) < 2e-6
-    assert float((c.double().cpu() - ad.cos()).abs().max()) < 2e-6
 
 
 @pytest.mark.gpu
@@ -351,5 +428,5 @@ def test_gpu_gemv_structure(dtype: torch.dtype, interleaved: bool, rows: int, un
     config = {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
               "SPLIT_K": 2, "UNROLL_K": unroll, "SPREAD": spread, "THREAD_SUM": thread_sum,
               "num_warps": 4, "num_stages": 2}
-    check(make(1, rows, 4096, 32, 8, 128, dtype), 128, start_pos=4000, interleaved=interleaved,
-          config=config)
+    check(make(1, rows, 4096, 32, 8, 128, dtype), 128, interleaved=interleaved,
+          pos=positions(1, rows, start=4000), config=config)

@@ -36,7 +36,7 @@ def make(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0, device: str 
 
 
 def check(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6, **kw) -> torch.Tensor:
-    y = fusetune.rmsnorm(x, w, eps, **kw)
+    y = fusetune.rmsnorm(x, w, eps=eps, **kw)
     assert y.dtype == x.dtype
     assert y.shape == x.shape
     assert y.device == x.device
@@ -104,7 +104,7 @@ def test_permuted_leading_layout() -> None:
     x = base.permute(1, 0, 2)  # [2, 3, 64], leading dims not collapsible into one stride
     assert not x.is_contiguous()
     y = check(x, w)
-    torch.testing.assert_close(y, fusetune.rmsnorm(x.contiguous(), w), rtol=0, atol=0)
+    torch.testing.assert_close(y, fusetune.rmsnorm(x.contiguous(), w, eps=1e-6), rtol=0, atol=0)
 
 
 def test_transposed_last_dim() -> None:
@@ -135,7 +135,7 @@ def test_weight_dtype_may_differ(dtype: torch.dtype) -> None:
 def test_zero_rows() -> None:
     x = torch.empty(0, 64, device=DEVICE, dtype=torch.float16)
     w = torch.ones(64, device=DEVICE, dtype=torch.float16)
-    y = fusetune.rmsnorm(x, w)
+    y = fusetune.rmsnorm(x, w, eps=1e-6)
     assert y.shape == (0, 64) and y.dtype == torch.float16
 
 
@@ -166,7 +166,7 @@ def test_public_entry_writes_every_element(monkeypatch: pytest.MonkeyPatch) -> N
 
     x, w = make((13, 200), torch.float16, seed=10)
     monkeypatch.setattr(torch, "empty", poisoned)
-    y = fusetune.rmsnorm(x, w, config={"BLOCK_D": 64, "ROWS": 4, "num_warps": 2,
+    y = fusetune.rmsnorm(x, w, eps=1e-6, config={"BLOCK_D": 64, "ROWS": 4, "num_warps": 2,
                                        "num_stages": 2})
     monkeypatch.undo()
     assert int(torch.isnan(y).sum()) == 0
@@ -179,9 +179,9 @@ def test_public_entry_writes_every_element(monkeypatch: pytest.MonkeyPatch) -> N
 def test_weight_shape_mismatch_names_shapes() -> None:
     x, _ = make((2, 64), torch.float32)
     with pytest.raises(ValueError, match=r"\(32,\).*\(64,\)"):
-        fusetune.rmsnorm(x, torch.ones(32, device=DEVICE))
+        fusetune.rmsnorm(x, torch.ones(32, device=DEVICE), eps=1e-6)
     with pytest.raises(ValueError, match=r"\(1, 64\)"):
-        fusetune.rmsnorm(x, torch.ones(1, 64, device=DEVICE))
+        fusetune.rmsnorm(x, torch.ones(1, 64, device=DEVICE), eps=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -198,7 +198,7 @@ def test_weight_shape_mismatch_names_shapes() -> None:
 def test_bad_config_raises_config_error(config: dict, key: str) -> None:
     x, w = make((2, 64), torch.float32)
     with pytest.raises(ConfigError, match=key):
-        fusetune.rmsnorm(x, w, config=config)
+        fusetune.rmsnorm(x, w, eps=1e-6, config=config)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float64])
@@ -206,7 +206,7 @@ def test_unsupported_dtype_raises_type_error(dtype: torch.dtype) -> None:
     x = torch.ones(2, 64, dtype=dtype, device=DEVICE)
     w = torch.ones(64, dtype=dtype, device=DEVICE)
     with pytest.raises(TypeError, match="unsupported dtype"):
-        fusetune.rmsnorm(x, w)
+        fusetune.rmsnorm(x, w, eps=1e-6)
 
 
 def test_launch_helpers_grid_arithmetic_and_dtype_names() -> None:
@@ -219,7 +219,7 @@ def test_launch_helpers_grid_arithmetic_and_dtype_names() -> None:
 
 def test_scalar_input_rejected() -> None:
     with pytest.raises(ValueError, match="at least one dimension"):
-        fusetune.rmsnorm(torch.tensor(1.0), torch.ones(1))
+        fusetune.rmsnorm(torch.tensor(1.0), torch.ones(1), eps=1e-6)
 
 
 # ---- GPU -----------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def test_scalar_input_rejected() -> None:
 @pytest.mark.parametrize("d", [4096, 3000])
 def test_cuda_large(dtype: torch.dtype, d: int) -> None:
     x, w = make((4096, d), dtype, seed=11, device="cuda")
-    y = fusetune.rmsnorm(x, w)
+    y = fusetune.rmsnorm(x, w, eps=1e-6)
     torch.cuda.synchronize()
     assert y.device.type == "cuda" and y.dtype == dtype
     assert not torch.isnan(y).any()
@@ -242,7 +242,7 @@ def test_cuda_large(dtype: torch.dtype, d: int) -> None:
                                                "num_stages": 3}])
 def test_cuda_looping_bf16(config: dict[str, int]) -> None:
     x, w = make((4096, 3000), torch.bfloat16, seed=12, device="cuda")
-    y = fusetune.rmsnorm(x, w, config=config)
+    y = fusetune.rmsnorm(x, w, eps=1e-6, config=config)
     torch.cuda.synchronize()
     assert rel_err(y, reference(x, w)) <= TOL[torch.bfloat16]
 
@@ -253,7 +253,7 @@ def test_cuda_looping_bf16(config: dict[str, int]) -> None:
 def test_registry() -> None:
     assert REGISTRY["rmsnorm"] is SPEC
     assert get_spec("rmsnorm") is SPEC
-    with pytest.raises(ValueError, match="valid: ffn, lola, qkv, rmsnorm, rope"):
+    with pytest.raises(ValueError, match="valid: ffn, linear, lola, qkv, rmsnorm, rope"):
         get_spec("layernorm")
 
 
@@ -351,4 +351,4 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.Mon
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        fusetune.rmsnorm(x, torch.ones(64))
+        fusetune.rmsnorm(x, torch.ones(64), eps=1e-6)

@@ -1,4 +1,5 @@
-"""fusetune.rope against Llama's and Hugging Face's formulas (Triton interpreter on CPU)."""
+"""fusetune.rope against Llama's and Hugging Face's formulas (Triton interpreter on CPU). The
+references compute their own angles, in float64; the kernel reads them as cos/sin tables."""
 
 from __future__ import annotations
 
@@ -13,26 +14,32 @@ from fusetune.kernels import rope as rope_mod
 from fusetune.kernels._spec import ConfigError, Point
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# cos and sin in float32 tables: float32 outputs are held to float32 rounding.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 SPEC = rope_mod.SPEC
 
 
-def llama_reference(x: torch.Tensor, start_pos: int, theta: float) -> torch.Tensor:
-    """Llama's apply_rotary_emb: pairs (2i, 2i+1) as complex numbers, in float64."""
-    _, s, _, d = x.shape
+def positions(b: int, s: int, start: int) -> torch.Tensor:
+    """[b, s]: each row of the batch at other positions (as in a left-padded batch)."""
+    return torch.arange(s)[None, :] + start + 7 * torch.arange(b)[:, None]
+
+
+def angles(pos: torch.Tensor, d: int, theta: float) -> torch.Tensor:
     freqs = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    t = torch.arange(start_pos, start_pos + s, dtype=torch.float64)
-    freqs_cis = torch.polar(torch.ones(s, d // 2, dtype=torch.float64), torch.outer(t, freqs))
+    return pos.double()[..., None] * freqs  # [b, s, d/2]
+
+
+def llama_reference(x: torch.Tensor, ang: torch.Tensor) -> torch.Tensor:
+    """Llama's apply_rotary_emb: pairs (2i, 2i+1) as complex numbers, in float64."""
+    freqs_cis = torch.polar(torch.ones_like(ang), ang)[:, :, None, :]
     xc = torch.view_as_complex(x.cpu().double().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * freqs_cis[None, :, None, :]).flatten(3)
+    return torch.view_as_real(xc * freqs_cis).flatten(3)
 
 
-def hf_reference(x: torch.Tensor, start_pos: int, theta: float) -> torch.Tensor:
+def hf_reference(x: torch.Tensor, ang: torch.Tensor) -> torch.Tensor:
     """Hugging Face's x*cos + rotate_half(x)*sin, pairs (i, i + d/2), in float64."""
-    _, s, _, d = x.shape
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    t = torch.arange(start_pos, start_pos + s, dtype=torch.float64)
-    emb = torch.cat((torch.outer(t, inv_freq),) * 2, dim=-1)[None, :, None, :]
+    d = x.shape[-1]
+    emb = torch.cat((ang, ang), dim=-1)[:, :, None, :]
     xd = x.cpu().double()
     rotated = torch.cat((-xd[..., d // 2 :], xd[..., : d // 2]), dim=-1)
     return xd * emb.cos() + rotated * emb.sin()
@@ -42,12 +49,21 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.cpu().double() - ref).norm() / ref.norm())
 
 
-def check(x: torch.Tensor, start_pos: int = 0, theta: float = 10000.0, interleaved: bool = True,
-          **kw) -> torch.Tensor:
-    y = fusetune.rope(x, start_pos, theta, interleaved=interleaved, **kw)
+def tables(pos: torch.Tensor, d: int, theta: float = 10000.0) -> tuple[torch.Tensor, ...]:
+    return rope_mod.rotary_tables(pos.to(DEVICE), d, theta=theta)
+
+
+def check(x: torch.Tensor, start: int = 0, theta: float = 10000.0, interleaved: bool = True,
+          shared: bool = False, **kw) -> torch.Tensor:
+    """`shared`: one row of positions ([1, S] tables) for the whole batch."""
+    b, s, _, d = x.shape
+    pos = positions(1 if shared else b, s, start)
+    cos, sin = tables(pos, d, theta)
+    y = fusetune.rope(x, cos, sin, interleaved=interleaved, **kw)
     assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device
     assert not torch.isnan(y).any()
-    ref = (llama_reference if interleaved else hf_reference)(x, start_pos, theta)
+    ang = angles(pos, d, theta).expand(b, -1, -1)
+    ref = (llama_reference if interleaved else hf_reference)(x, ang)
     err = rel_err(y, ref)
     assert err <= TOL[x.dtype], f"relative error {err:.3e} > {TOL[x.dtype]:.1e}"
     return y
@@ -64,29 +80,38 @@ def _tables(fresh_tables: None) -> None:
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", [(2, 5, 3, 64), (1, 7, 4, 128), (3, 2, 5, 6), (1, 1, 1, 2)])
+@pytest.mark.parametrize(("shape", "dtype"), [((2, 5, 3, 64), torch.float16),
+                                              ((1, 7, 4, 128), torch.float32),
+                                              ((3, 2, 5, 6), torch.float16),
+                                              ((1, 1, 1, 2), torch.float32)])
 def test_matches_reference(shape: tuple[int, ...], dtype: torch.dtype, interleaved: bool) -> None:
-    check(randn(*shape, dtype=dtype), start_pos=11, interleaved=interleaved)
+    check(randn(*shape, dtype=dtype), start=11, interleaved=interleaved)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-def test_layouts_differ_and_theta_matters(interleaved: bool) -> None:
-    x = randn(1, 4, 2, 16, dtype=torch.float32)
+def test_layouts_differ_and_tables_matter(interleaved: bool) -> None:
+    x = randn(2, 4, 2, 16, dtype=torch.float32)
     a = check(x, 3, interleaved=interleaved)
     b = check(x, 3, interleaved=not interleaved)
     assert not torch.allclose(a, b)
     c = check(x, 3, theta=500000.0, interleaved=interleaved)
     assert not torch.allclose(a, c)
+    shared = check(x, 3, interleaved=interleaved, shared=True)  # both rows at row 0's positions
+    assert torch.equal(shared[0], a[0]) and not torch.allclose(shared[1], a[1])
+    # Tables of half width (column i for pair i) give the same result.
+    cos, sin = tables(positions(2, 4, 3), 16)
+    half = fusetune.rope(x, cos[..., :8], sin[..., :8], interleaved=interleaved)
+    assert torch.equal(half, a)
 
 
 def test_position_zero_is_identity_and_norm_is_kept() -> None:
     x = randn(1, 1, 3, 8, dtype=torch.float32)
-    assert torch.allclose(fusetune.rope(x, 0), x)
-    y = fusetune.rope(randn(2, 6, 3, 8, dtype=torch.float32), 100)
+    cos, sin = tables(torch.zeros(1, 1, dtype=torch.long), 8)
+    assert torch.allclose(fusetune.rope(x, cos, sin, interleaved=True), x)
+    z = randn(2, 6, 3, 8, dtype=torch.float32)
+    y = fusetune.rope(z, *tables(positions(2, 6, 100), 8), interleaved=True)
     # A rotation keeps the length of every pair, so of every head vector.
-    assert torch.allclose(y.norm(dim=-1), randn(2, 6, 3, 8, dtype=torch.float32).norm(dim=-1),
-                          rtol=1e-5)
+    assert torch.allclose(y.norm(dim=-1), z.norm(dim=-1), rtol=1e-5)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -105,30 +130,51 @@ def test_strided_inputs(interleaved: bool) -> None:
     {"BLOCK_T": 4, "BLOCK_H": 2, "num_warps": 2},   # heads not a multiple of BLOCK_H
     {"BLOCK_T": 16, "BLOCK_H": 8, "num_warps": 4},  # blocks larger than the tensor
 ])
-@pytest.mark.parametrize("interleaved", [True, False])
-def test_configs(config: dict[str, int], interleaved: bool) -> None:
-    check(randn(2, 5, 3, 32), 5, interleaved=interleaved, config=config)
+def test_configs(config: dict[str, int]) -> None:
+    check(randn(2, 5, 3, 32), 5, interleaved=True, config=config)
+    check(randn(2, 5, 3, 32), 5, interleaved=False, config=config)
 
 
 def test_bad_inputs() -> None:
+    cos, sin = tables(positions(1, 2, 0), 8)
     with pytest.raises(ValueError, match="batch, seq, heads, head_dim"):
-        fusetune.rope(randn(2, 3, 8))
+        fusetune.rope(randn(2, 3, 8), cos, sin, interleaved=True)
     with pytest.raises(ValueError, match="head_dim=7 must be even"):
-        fusetune.rope(randn(1, 2, 3, 7))
-    with pytest.raises(ValueError, match="start_pos=-1"):
-        fusetune.rope(randn(1, 2, 3, 8), -1)
-    with pytest.raises(ValueError, match="theta"):
-        fusetune.rope(randn(1, 2, 3, 8), 0, 0.0)
+        fusetune.rope(randn(1, 2, 3, 7), cos, sin, interleaved=True)
+    with pytest.raises(TypeError, match="interleaved"):
+        fusetune.rope(randn(1, 2, 3, 8), cos, sin)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match=r"cos has shape \(1, 2, 8\); expected \[1 or 1, 3"):
+        fusetune.rope(randn(1, 3, 3, 8), cos, sin, interleaved=True)
     with pytest.raises(TypeError, match="unsupported dtype"):
-        fusetune.rope(torch.zeros(1, 2, 3, 8, dtype=torch.int32, device=DEVICE))
+        fusetune.rope(torch.zeros(1, 2, 3, 8, dtype=torch.int32, device=DEVICE), cos, sin,
+                      interleaved=True)
     with pytest.raises(ConfigError, match="BLOCK_T"):
-        fusetune.rope(randn(1, 2, 3, 8), config={"BLOCK_H": 1, "num_warps": 1})
+        fusetune.rope(randn(1, 2, 3, 8), cos, sin, interleaved=True,
+                      config={"BLOCK_H": 1, "num_warps": 1})
     with pytest.raises(ConfigError, match="BLOCK_H=3 must be a power of two"):
-        fusetune.rope(randn(1, 2, 3, 8), config={"BLOCK_T": 1, "BLOCK_H": 3, "num_warps": 1})
+        fusetune.rope(randn(1, 2, 3, 8), cos, sin, interleaved=True,
+                      config={"BLOCK_T": 1, "BLOCK_H": 3, "num_warps": 1})
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        fusetune.rope(randn(1, 2, 3, 8, dtype=torch.float32).requires_grad_(), cos, sin,
+                      interleaved=True)
+    with pytest.raises(ValueError, match="theta"):
+        rope_mod.rotary_tables(positions(1, 2, 0), 8, theta=0.0)
 
 
 def test_empty_input() -> None:
-    assert fusetune.rope(randn(0, 3, 2, 8)).shape == (0, 3, 2, 8)
+    cos, sin = tables(positions(1, 3, 0), 8)
+    assert fusetune.rope(randn(0, 3, 2, 8), cos, sin, interleaved=True).shape == (0, 3, 2, 8)
+
+
+def test_rotary_tables_are_hugging_faces() -> None:
+    # Llama's rotary embedding (transformers' default rope): inv_freq, positions, both halves.
+    pos = positions(2, 5, 3)
+    cos, sin = rope_mod.rotary_tables(pos, 16, theta=500000.0)
+    ang = angles(pos, 16, 500000.0)
+    emb = torch.cat((ang, ang), dim=-1)
+    assert cos.shape == sin.shape == (2, 5, 16)
+    assert torch.allclose(cos.double(), emb.cos(), atol=1e-6)
+    assert torch.allclose(sin.double(), emb.sin(), atol=1e-6)
 
 
 # ---- the spec -------------------------------------------------------------------------------
@@ -153,14 +199,17 @@ def test_spec_resources_and_cost() -> None:
     small = SPEC.resources({"BLOCK_T": 1, "BLOCK_H": 32, "num_warps": 4}, p)
     big = SPEC.resources({"BLOCK_T": 64, "BLOCK_H": 64, "num_warps": 1}, p)
     assert small.regs_per_thread < 255 < big.regs_per_thread
-    assert SPEC.cost(p).bytes == 2 * 512 * 32 * 128 * 2
+    # x read and written, and the tables' half rows of cos and sin per token
+    assert SPEC.cost(p).bytes == (2 * 512 * 32 * 128 + 2 * 512 * 64) * 2
 
 
 def test_spec_reference_matches_formulas() -> None:
     x = randn(2, 3, 4, 8, dtype=torch.float32)
+    pos = positions(2, 3, 5)
+    cos, sin = tables(pos, 8)
     for inter, ref in ((True, llama_reference), (False, hf_reference)):
-        got = SPEC.reference({"x": x, "start_pos": 5, "theta": 10000.0, "interleaved": inter})
-        assert rel_err(got["y"], ref(x, 5, 10000.0)) < 1e-6
+        got = SPEC.reference({"x": x, "cos": cos, "sin": sin, "interleaved": inter})
+        assert rel_err(got["y"], ref(x, angles(pos, 8, 10000.0))) < 1e-6
 
 
 # ---- on the GPU -----------------------------------------------------------------------------
@@ -170,7 +219,7 @@ def test_spec_reference_matches_formulas() -> None:
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_long_sequence(dtype: torch.dtype, interleaved: bool) -> None:
-    # Positions up to ~8K: the in-kernel angles must stay accurate far from zero.
+    # Positions up to ~8K, float32 tables.
     x = torch.randn(2, 4096, 32, 128, device="cuda", dtype=dtype)
-    check(x, start_pos=4000, interleaved=interleaved)
+    check(x, start=4000, interleaved=interleaved)
     check(torch.randn(3, 37, 8, 64, device="cuda", dtype=dtype), 9, interleaved=interleaved)

@@ -1,0 +1,230 @@
+"""End to end: tokens per second of Hugging Face generate() with fusetune.patch, beside
+transformers' own eager and compiled (static cache) paths and Liger Kernel, in one process.
+
+A Llama-family model is built from a config (a preset such as llama-3-8b, or a config.json
+path) with random weights on the GPU: nothing is downloaded. Every case generates the same
+greedy tokens' count (EOS off); tokens/s counts the new tokens of the whole batch over the
+whole generate() call, time to first token is a generate() of one new token. Before timing,
+the patched model's logits are compared with the model's own on teacher-forced positions
+(relative error and top-1 agreement).
+
+Cases: hf-eager, hf-static (cache_implementation="static": transformers compiles the decode
+step with torch.compile and CUDA graphs), fusetune-eager, fusetune-static, fusetune-fp8 and
+fusetune-fp8-static (projections in FP8 e4m3, weight-only), liger-eager (Liger Kernel's
+patch, when installed; run last, as it patches transformers' module globally).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.script_args import add_cases_option, chosen_cases, doc_summary
+
+CASES = ("hf-eager", "hf-static", "fusetune-eager", "fusetune-static", "fusetune-fp8",
+         "fusetune-fp8-static", "liger-eager")
+NAMED = dict.fromkeys(CASES)
+# Llama-3-8B's shape (Mistral-7B shares it but for the vocabulary and rope).
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                       num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192),
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                       num_key_value_heads=32, num_hidden_layers=32, vocab_size=32000,
+                       rms_norm_eps=1e-5, max_position_embeddings=4096),
+    # A check of the script itself, e.g. on the CPU through Triton's interpreter.
+    "tiny": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                 num_key_value_heads=2, num_hidden_layers=2, vocab_size=128,
+                 max_position_embeddings=512),
+}
+DEVICE = "cuda"
+
+
+def build(model: str, dtype: torch.dtype, seed: int, layers: int | None) -> Any:
+    """The causal LM of preset or config.json `model`, random weights on the GPU."""
+    import transformers
+
+    if model in PRESETS:
+        config = transformers.LlamaConfig(**PRESETS[model])
+    else:
+        path = Path(model)
+        config = transformers.AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    config.eos_token_id = None  # random weights: generate exactly the asked number of tokens
+    config.pad_token_id = 0
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEVICE):
+            m = transformers.AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(default)
+    return m.eval()
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> float:
+    """Median seconds of fn() (synchronized), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_case(model: Any, ids: torch.Tensor, new: int, static: bool, repeat: int
+             ) -> dict[str, float]:
+    kw: dict[str, Any] = dict(do_sample=False, min_new_tokens=new, max_new_tokens=new,
+                              attention_mask=torch.ones_like(ids))
+    if static:
+        kw["cache_implementation"] = "static"
+    with torch.inference_mode():
+        total = timed(lambda: model.generate(ids, **kw), repeat)
+        first = timed(lambda: model.generate(ids, **{**kw, "min_new_tokens": 1,
+                                                       "max_new_tokens": 1}), repeat)
+    return {"tokens_per_s": ids.shape[0] * new / total, "ttft_ms": 1e3 * first,
+            "total_s": total}
+
+
+def agreement(model: Any, ids: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
+    """Relative error of the logits against `want` (the unpatched model's) and the share of
+    positions whose top-1 token is the same."""
+    with torch.inference_mode():
+        got = model(ids).logits.float()
+    err = float((got - want).norm() / want.norm())
+    top1 = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+    return {"logits_rel_err": err, "top1_agree": top1}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__ or ""))
+    ap.add_argument("--model", default="llama-3-8b",
+                    help=f"a preset ({', '.join(PRESETS)}) or an HF config.json / model dir")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--batch", default="1", help="batch sizes, comma-separated")
+    ap.add_argument("--prompt", default="128", help="prompt lengths, comma-separated")
+    ap.add_argument("--new", type=int, default=128, help="new tokens per sequence")
+    ap.add_argument("--repeat", type=int, default=3, help="timed generate() calls per case")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (default: the config's; fewer for a quick check)")
+    ap.add_argument("--check-positions", type=int, default=256,
+                    help="teacher-forced positions compared with the model's own logits")
+    ap.add_argument("--tables", help="lookup table to load (default: the shipped tables)")
+    ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a check of the flow through Triton's interpreter "
+                         "(TRITON_INTERPRET=1; timings meaningless)")
+    add_cases_option(ap, NAMED, CASES)
+    args = ap.parse_args()
+    cases = chosen_cases(ap, args.cases, NAMED, CASES)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)", file=sys.stderr)
+        return 1
+    import transformers
+
+    import fusetune
+
+    if args.tables:
+        fusetune.load_tables(args.tables)
+    dtype = getattr(torch, args.dtype)
+    batches = [int(b) for b in args.batch.split(",")]
+    prompts = [int(p) for p in args.prompt.split(",")]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    model = build(args.model, dtype, 0, args.layers)
+    # The floor of one decode step at batch 1: every weight read once (the embedding table
+    # only a row) at 3.0 TB/s, the H100's measured copy rate.
+    embed = model.get_input_embeddings().weight
+    read = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * \
+        embed.element_size()
+    floor = f"weights {read / 1e9:.1f} GB: at most {3.0e12 / read:.0f} tokens/s at batch 1"
+    vocab = model.config.vocab_size
+    check_ids = torch.randint(0, vocab, (1, args.check_positions), device=DEVICE, generator=gen)
+    with torch.inference_mode():
+        want = model(check_ids).logits.float()
+    inputs = {(b, p): torch.randint(1, vocab, (b, p), device=DEVICE, generator=gen)
+              for b in batches for p in prompts}
+    rows: list[dict[str, Any]] = []
+
+    def measure(case: str, static: bool, check: bool) -> None:
+        quality = agreement(model, check_ids, want) if check else {}
+        for (b, p), ids in inputs.items():
+            r = run_case(model, ids, args.new, static, args.repeat)
+            rows.append({"case": case, "batch": b, "prompt": p, **r, **quality})
+            print(f"{case:20s} b={b} p={p}: {r['tokens_per_s']:.1f} tokens/s, ttft "
+                  f"{r['ttft_ms']:.1f} ms" + (f", logits err {quality['logits_rel_err']:.2e}, "
+                                              f"top-1 {100 * quality['top1_agree']:.1f}%"
+                                              if quality else ""), flush=True)
+
+    if "hf-eager" in cases:
+        measure("hf-eager", False, False)
+    if "hf-static" in cases:
+        measure("hf-static", True, False)
+    if {"fusetune-eager", "fusetune-static"} & set(cases):
+        fusetune.patch(model)
+        if "fusetune-eager" in cases:
+            measure("fusetune-eager", False, True)
+        if "fusetune-static" in cases:
+            measure("fusetune-static", True, "fusetune-eager" not in cases)
+        fusetune.unpatch(model)
+    if {"fusetune-fp8", "fusetune-fp8-static"} & set(cases):
+        fusetune.patch(model, weights="fp8-e4m3")  # the 16-bit weights are gone after this
+        if "fusetune-fp8" in cases:
+            measure("fusetune-fp8", False, True)
+        if "fusetune-fp8-static" in cases:
+            measure("fusetune-fp8-static", True, "fusetune-fp8" not in cases)
+    if "liger-eager" in cases:
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except ImportError:
+            print("liger-eager skipped: liger_kernel is not installed")
+        else:
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+            model = build(args.model, dtype, 0, args.layers)  # the same weights, 16-bit again
+            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True,
+                                        cross_entropy=False, fused_linear_cross_entropy=False,
+                                        model=model)
+            measure("liger-eager", False, True)
+
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (interpreter)"
+    print(f"\n{where}, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, {args.model} ({args.layers or 'all'} layers) "
+          f"{args.dtype}, {args.new} new tokens, greedy; 16-bit {floor}")
+    print("| case | batch | prompt | tokens/s | time to first token ms | logits rel. err | "
+          "top-1 agree |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        q = (f"{r['logits_rel_err']:.2e} | {100 * r['top1_agree']:.1f}%"
+             if "top1_agree" in r else "- | -")
+        print(f"| {r['case']} | {r['batch']} | {r['prompt']} | {r['tokens_per_s']:.1f} | "
+              f"{r['ttft_ms']:.1f} | {q} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

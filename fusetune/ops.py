@@ -1,0 +1,152 @@
+"""The fused kernels as torch custom ops (`torch.library`), for models run under torch.compile.
+
+torch.compile cannot trace into a Triton launcher's Python (the table lookup, the checks, the
+launch): registered as custom ops with fake implementations (output shapes and dtypes only),
+the kernels are opaque nodes of the graph, so a compiled forward has no graph break at them,
+and CUDA graphs capture their launches (the lookup runs once, when the graph is recorded;
+every input, the RoPE tables included, is a device tensor that a replay reads anew).
+
+Called eagerly, the functions here go straight to the launchers: the custom-op dispatcher
+would add its own CPU time to every call, and at decode sizes a launch's CPU time is already
+more than its GPU time.
+
+    from fusetune import ops
+    y = ops.rmsnorm(x, weight, eps)
+    q, k, v = ops.qkv(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim)
+    h = ops.ffn(x, rms_weight, w_gate, w_up, eps)
+    y = ops.linear(x, weight, residual=r)
+
+The RoPE pairing here is Hugging Face's rotate_half (pairs i, i + head_dim/2) with the model's
+own cos/sin tables; q, k, v come back as [batch, seq, heads·head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fusetune.kernels import ffn as _ffn
+from fusetune.kernels import linear as _linear
+from fusetune.kernels import qkv as _qkv
+from fusetune.kernels import rmsnorm as _rmsnorm
+
+# ---- rmsnorm --------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fusetune::rmsnorm", mutates_args=())
+def _rmsnorm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return _rmsnorm.rmsnorm(x, weight, eps=eps)
+
+
+@_rmsnorm_op.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """fusetune.rmsnorm(x, weight, eps=eps), traceable by torch.compile."""
+    if torch.compiler.is_compiling():
+        return _rmsnorm_op(x, weight, eps)
+    return _rmsnorm.rmsnorm(x, weight, eps=eps)
+
+
+# ---- qkv ------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fusetune::qkv", mutates_args=())
+def _qkv_op(x: Tensor, rms_weight: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, cos: Tensor,
+            sin: Tensor, eps: float, head_dim: int, bq: Tensor | None, bk: Tensor | None,
+            bv: Tensor | None, wq_scale: Tensor | None, wk_scale: Tensor | None,
+            wv_scale: Tensor | None, fp8_activations: bool
+            ) -> tuple[Tensor, Tensor, Tensor]:
+    return _qkv_eager(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, bq, bk, bv, wq_scale,
+                      wk_scale, wv_scale, fp8_activations)
+
+
+@_qkv_op.register_fake
+def _(x: Tensor, rms_weight: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, cos: Tensor,
+      sin: Tensor, eps: float, head_dim: int, bq: Tensor | None, bk: Tensor | None,
+      bv: Tensor | None, wq_scale: Tensor | None, wk_scale: Tensor | None,
+      wv_scale: Tensor | None, fp8_activations: bool) -> tuple[Tensor, Tensor, Tensor]:
+    b, s = x.shape[0], x.shape[1]
+    return (x.new_empty(b, s, wq.shape[0]), x.new_empty(b, s, wk.shape[0]),
+            x.new_empty(b, s, wv.shape[0]))
+
+
+def _qkv_eager(x: Tensor, rms_weight: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, cos: Tensor,
+               sin: Tensor, eps: float, head_dim: int, bq: Tensor | None, bk: Tensor | None,
+               bv: Tensor | None, wq_scale: Tensor | None, wk_scale: Tensor | None,
+               wv_scale: Tensor | None, fp8_activations: bool
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v = _qkv.qkv(x, rms_weight, wq, wk, wv, cos, sin, eps=eps, head_dim=head_dim,
+                       interleaved=False, bq=bq, bk=bk, bv=bv, wq_scale=wq_scale,
+                       wk_scale=wk_scale, wv_scale=wv_scale, fp8_activations=fp8_activations)
+    b, s = x.shape[0], x.shape[1]
+    return q.view(b, s, -1), k.view(b, s, -1), v.view(b, s, -1)
+
+
+def qkv(x: Tensor, rms_weight: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, cos: Tensor,
+        sin: Tensor, eps: float, head_dim: int, *, bq: Tensor | None = None,
+        bk: Tensor | None = None, bv: Tensor | None = None, wq_scale: Tensor | None = None,
+        wk_scale: Tensor | None = None, wv_scale: Tensor | None = None,
+        fp8_activations: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """fusetune.qkv with Hugging Face's pairing (interleaved=False) and its cos/sin tables
+    [batch or 1, seq, head_dim]; q, k, v as [batch, seq, heads·head_dim], contiguous."""
+    if torch.compiler.is_compiling():
+        return _qkv_op(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, bq, bk, bv, wq_scale,
+                       wk_scale, wv_scale, fp8_activations)
+    return _qkv_eager(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, bq, bk, bv, wq_scale,
+                      wk_scale, wv_scale, fp8_activations)
+
+
+# ---- ffn ------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fusetune::ffn", mutates_args=())
+def _ffn_op(x: Tensor, rms_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float,
+            gate_scale: Tensor | None, up_scale: Tensor | None, fp8_activations: bool
+            ) -> Tensor:
+    return _ffn.ffn(x, rms_weight, w_gate, w_up, eps=eps, w1_scale=gate_scale,
+                    w3_scale=up_scale, fp8_activations=fp8_activations)
+
+
+@_ffn_op.register_fake
+def _(x: Tensor, rms_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float,
+      gate_scale: Tensor | None, up_scale: Tensor | None, fp8_activations: bool) -> Tensor:
+    return x.new_empty(*x.shape[:-1], w_gate.shape[0])
+
+
+def ffn(x: Tensor, rms_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float, *,
+        gate_scale: Tensor | None = None, up_scale: Tensor | None = None,
+        fp8_activations: bool = False) -> Tensor:
+    """fusetune.ffn: silu(n·W_gateᵀ) · (n·W_upᵀ), n = rmsnorm(x)."""
+    if torch.compiler.is_compiling():
+        return _ffn_op(x, rms_weight, w_gate, w_up, eps, gate_scale, up_scale, fp8_activations)
+    return _ffn.ffn(x, rms_weight, w_gate, w_up, eps=eps, w1_scale=gate_scale,
+                    w3_scale=up_scale, fp8_activations=fp8_activations)
+
+
+# ---- linear ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fusetune::linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
+               weight_scale: Tensor | None, fp8_activations: bool) -> Tensor:
+    return _linear.linear(x, weight, bias=bias, residual=residual, weight_scale=weight_scale,
+                          fp8_activations=fp8_activations)
+
+
+@_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
+      weight_scale: Tensor | None, fp8_activations: bool) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           residual: Tensor | None = None, weight_scale: Tensor | None = None, *,
+           fp8_activations: bool = False) -> Tensor:
+    """fusetune.linear: x·Wᵀ (· scale) + bias + residual."""
+    if torch.compiler.is_compiling():
+        return _linear_op(x, weight, bias, residual, weight_scale, fp8_activations)
+    return _linear.linear(x, weight, bias=bias, residual=residual, weight_scale=weight_scale,
+                          fp8_activations=fp8_activations)
