@@ -1,6 +1,6 @@
 """Decode (one row) of the matmul kernels against the read-only ceiling of their bytes.
 
-For ffn, qkv and lola at one token row, the kernel launches alone (no Python-side lookup or
+For ffn, qkv, lola and linear at one token row, the kernel launches alone (no Python-side lookup or
 allocation, which at these sizes costs more than the GPU work) with the config of the lookup
 table, timed with do_bench (L2 flushed) in the same process as a Triton kernel that only reads
 the same number of bytes (the fastest of a few shapes) and a device-to-device copy. The kernel
@@ -41,6 +41,9 @@ NAMED_CASES: dict[str, tuple[str, str | None, dict[str, int] | None]] = {
     "qkv_half": ("qkv", None, {"dim": 4096, "head_dim": 128, "interleaved": 0, "n_heads": 32,
                                "n_kv_heads": 32}),
     "lola_768": ("lola", None, {"dim": 768, "out": 3072}),
+    # Llama-3-8B's down_proj and o_proj with the residual add (what fusetune.patch runs)
+    "linear": ("linear", None, {"dim": 14336, "out": 4096, "bias": 0, "residual": 1}),
+    "linear_o": ("linear", None, {"dim": 4096, "out": 4096, "bias": 0, "residual": 1}),
 }
 DEFAULT_CASES = ("ffn", "qkv", "lola", "lola_11008")
 # Shapes of the read-only kernel tried for each size: (BLOCK, warps, evict-first loads).

@@ -1,7 +1,11 @@
 """RoPE side by side on one GPU, in one process: tuned (lookup table) vs the default heuristic vs
 torch eager (Llama's complex-number code for interleaved pairs, Hugging Face's rotate_half for
 half-split) vs torch.compile of it vs Liger Kernel (half-split only; it rotates q and k together,
-so its row counts twice the bytes) vs a device-to-device copy of the same bytes.
+so its row counts twice the bytes) vs a device-to-device copy of the same bytes. Every
+implementation reads the angles from tables built once outside the timing: fusetune.rope and
+Liger the cos/sin tables [1, S, D] of a rotary embedding (fusetune.kernels.rope.rotary_tables,
+in x's dtype; they add 2·S·D/2 elements to the bytes fusetune reads, under 2% at 32 heads,
+left out of "MB moved"), the eager code its own form of them.
 
     python -m benchmarks.bench_rope --tables tables.yaml --shapes 1x4096x32x128,8x4096x32x128
 """
@@ -17,7 +21,7 @@ import torch
 import fusetune
 from benchmarks.timing import heading, parser, report, run, start
 from fusetune.kernels._spec import Point
-from fusetune.kernels.rope import SPEC
+from fusetune.kernels.rope import SPEC, rotary_tables
 
 FLOOR_TBS = 3.0
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "copy")
@@ -36,15 +40,16 @@ def hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def tables_for(seq: int, d: int, start_pos: int, theta: float, dtype: torch.dtype
+def tables_for(seq: int, d: int, theta: float, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The cos/sin tables the eager implementations read (built once, outside the timing)."""
+    """The angles of positions 0..seq-1 (built once, outside the timing): Meta's freqs_cis
+    [1, S, 1, D/2] and the cos/sin tables [1, S, D] in `dtype`, as a rotary embedding returns
+    them (what fusetune.rope and Liger read; Hugging Face's code broadcasts them over heads)."""
     freqs = theta ** (-torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
-    pos = torch.arange(start_pos, start_pos + seq, device="cuda", dtype=torch.float32)
-    angle = torch.outer(pos, freqs)  # [S, D/2]
+    angle = torch.outer(torch.arange(seq, device="cuda", dtype=torch.float32), freqs)
     freqs_cis = torch.polar(torch.ones_like(angle), angle)[None, :, None, :]
-    emb = torch.cat((angle, angle), dim=-1)
-    cos, sin = emb.cos().to(dtype)[None, :, None, :], emb.sin().to(dtype)[None, :, None, :]
+    cos, sin = rotary_tables(torch.arange(seq, device="cuda")[None], d, theta=theta,
+                             dtype=dtype)
     return freqs_cis, cos, sin
 
 
@@ -55,28 +60,28 @@ def make_case(shape: tuple[int, int, int, int], interleaved: bool, dtype_name: s
     torch.manual_seed(0)
     x = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
     y = torch.empty_like(x)
-    start = 0
     dims = {"heads": h, "head_dim": d, "interleaved": int(interleaved)}
     point = Point.make("rope", dims, b, s, dtype_name)
     tuned_cfg = fusetune.lookup("rope", dims, dtype_name, rows=b * s)
     default_cfg = SPEC.canonical(SPEC.default_config(point, gpu), point)
-    ref = SPEC.reference({"x": x, "start_pos": start, "theta": 10000.0,
-                          "interleaved": interleaved})["y"]
-    out = fusetune.rope(x, start, interleaved=interleaved)
+    freqs_cis, cos, sin = tables_for(s, d, 10000.0, dtype)  # one row of positions: every batch
+    ref = SPEC.reference({"x": x, "cos": cos, "sin": sin, "interleaved": interleaved})["y"]
+    out = fusetune.rope(x, cos, sin, interleaved=interleaved)
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < SPEC.tolerance[dtype_name], f"tuned rope wrong: rel err {err}"
-    freqs_cis, cos, sin = tables_for(s, d, start, 10000.0, dtype)
     if interleaved:
         eager = lambda: llama_rope(x, freqs_cis)
         comp = lambda: compiled["llama"](x, freqs_cis)
         liger = None
     else:
-        eager = lambda: hf_rope(x, cos, sin)
-        comp = lambda: compiled["hf"](x, cos, sin)
-        liger = _liger_fn(x, cos[:, :, 0, :], sin[:, :, 0, :])
+        cos4, sin4 = cos[:, :, None, :], sin[:, :, None, :]
+        eager = lambda: hf_rope(x, cos4, sin4)
+        comp = lambda: compiled["hf"](x, cos4, sin4)
+        liger = _liger_fn(x, cos, sin)
     fns = {
-        "tuned": lambda: fusetune.rope(x, start, interleaved=interleaved),
-        "default": lambda: fusetune.rope(x, start, interleaved=interleaved, config=default_cfg),
+        "tuned": lambda: fusetune.rope(x, cos, sin, interleaved=interleaved),
+        "default": lambda: fusetune.rope(x, cos, sin, interleaved=interleaved,
+                                         config=default_cfg),
         "eager": eager, "compile": comp, "liger": liger,
         "copy": lambda: y.copy_(x),
     }
