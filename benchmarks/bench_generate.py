@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -91,28 +92,52 @@ def timed(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(times)
 
 
-def run_case(model: Any, ids: torch.Tensor, new: int, static: bool, repeat: int
-             ) -> dict[str, float]:
+def run_case(model: Any, ids: torch.Tensor, new: int, static: bool, repeat: int,
+             ttft: bool = True) -> dict[str, float]:
     kw: dict[str, Any] = dict(do_sample=False, min_new_tokens=new, max_new_tokens=new,
                               attention_mask=torch.ones_like(ids))
     if static:
         kw["cache_implementation"] = "static"
     with torch.inference_mode():
         total = timed(lambda: model.generate(ids, **kw), repeat)
-        first = timed(lambda: model.generate(ids, **{**kw, "min_new_tokens": 1,
-                                                       "max_new_tokens": 1}), repeat)
+        first = (timed(lambda: model.generate(ids, **{**kw, "min_new_tokens": 1,
+                                                        "max_new_tokens": 1}), repeat)
+                 if ttft else math.nan)
     return {"tokens_per_s": ids.shape[0] * new / total, "ttft_ms": 1e3 * first,
             "total_s": total}
 
 
-def agreement(model: Any, ids: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
+def profile(model: Any, ids: torch.Tensor, static: bool, case: str) -> None:
+    """Prints the GPU time of the kernels of a generate() of 8 new tokens, largest first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    kw: dict[str, Any] = dict(do_sample=False, min_new_tokens=8, max_new_tokens=8,
+                              attention_mask=torch.ones_like(ids))
+    if static:
+        kw["cache_implementation"] = "static"
+    with torch.inference_mode(), torch_profile(activities=[ProfilerActivity.CUDA,
+                                                           ProfilerActivity.CPU]) as prof:
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+    print(f"-- {case}: GPU time by kernel over 8 new tokens (and the prompt)")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
+                                    max_name_column_width=60))
+
+
+def agreement(model: Any, ids: torch.Tensor, want: torch.Tensor, exact: torch.Tensor | None
+              ) -> dict[str, float]:
     """Relative error of the logits against `want` (the unpatched model's) and the share of
-    positions whose top-1 token is the same."""
+    positions whose top-1 token is the same; the same against `exact` (the model's own logits
+    computed in float32), where given: the bound the model's own 16-bit arithmetic sets."""
     with torch.inference_mode():
         got = model(ids).logits.float()
-    err = float((got - want).norm() / want.norm())
-    top1 = float((got.argmax(-1) == want.argmax(-1)).float().mean())
-    return {"logits_rel_err": err, "top1_agree": top1}
+    out = {}
+    for name, ref in (("", want), ("_fp32", exact)):
+        if ref is not None:
+            out[f"logits_rel_err{name}"] = float((got - ref).norm() / ref.norm())
+            out[f"top1_agree{name}"] = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+    return out
 
 
 def main() -> int:
@@ -130,6 +155,15 @@ def main() -> int:
                     help="teacher-forced positions compared with the model's own logits")
     ap.add_argument("--tables", help="lookup table to load (default: the shipped tables)")
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--static-ttft", action="store_true",
+                    help="time to first token of the static-cache cases too (a generate() of "
+                         "one token has a cache of another length: one more compilation each)")
+    ap.add_argument("--exact", action="store_true",
+                    help="also compare every case's logits with the model's own in float32 "
+                         "(the model is upcast for that once: twice its memory)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each case, the GPU time of its kernels over a generate() of 8 "
+                         "new tokens (torch.profiler), largest first: where a decode step goes")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a check of the flow through Triton's interpreter "
                          "(TRITON_INTERPRET=1; timings meaningless)")
@@ -163,24 +197,39 @@ def main() -> int:
     check_ids = torch.randint(0, vocab, (1, args.check_positions), device=DEVICE, generator=gen)
     with torch.inference_mode():
         want = model(check_ids).logits.float()
+        exact = None
+        if args.exact:
+            # The parameters only (16-bit -> float32 -> 16-bit is exact), not the buffers: the
+            # rotary embedding's inverse frequencies are float32 already, and rounded to 16
+            # bits they would move every angle.
+            params = list(model.parameters())
+            for p in params:
+                p.data = p.data.float()
+            exact = model(check_ids).logits.float()
+            for p in params:
+                p.data = p.data.to(dtype)
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
     inputs = {(b, p): torch.randint(1, vocab, (b, p), device=DEVICE, generator=gen)
               for b in batches for p in prompts}
     rows: list[dict[str, Any]] = []
 
     def measure(case: str, static: bool, check: bool) -> None:
-        quality = agreement(model, check_ids, want) if check else {}
+        quality = agreement(model, check_ids, want, exact) if check or exact is not None else {}
         for (b, p), ids in inputs.items():
-            r = run_case(model, ids, args.new, static, args.repeat)
+            r = run_case(model, ids, args.new, static, args.repeat,
+                         ttft=not static or args.static_ttft)
             rows.append({"case": case, "batch": b, "prompt": p, **r, **quality})
             print(f"{case:20s} b={b} p={p}: {r['tokens_per_s']:.1f} tokens/s, ttft "
-                  f"{r['ttft_ms']:.1f} ms" + (f", logits err {quality['logits_rel_err']:.2e}, "
-                                              f"top-1 {100 * quality['top1_agree']:.1f}%"
-                                              if quality else ""), flush=True)
+                  f"{r['ttft_ms']:.1f} ms" + "".join(
+                      f", logits err{k.removeprefix('logits_rel_err')} {v:.2e}"
+                      if k.startswith("logits") else f", top-1{k.removeprefix('top1_agree')} "
+                      f"{100 * v:.1f}%" for k, v in quality.items()), flush=True)
+        if args.profile and DEVICE == "cuda":
+            profile(model, next(iter(inputs.values())), static, case)
 
     if "hf-eager" in cases:
         measure("hf-eager", False, False)
-    if "hf-static" in cases:
-        measure("hf-static", True, False)
     if {"fusetune-eager", "fusetune-static"} & set(cases):
         fusetune.patch(model)
         if "fusetune-eager" in cases:
@@ -188,6 +237,8 @@ def main() -> int:
         if "fusetune-static" in cases:
             measure("fusetune-static", True, "fusetune-eager" not in cases)
         fusetune.unpatch(model)
+    if "hf-static" in cases:
+        measure("hf-static", True, False)
     if {"fusetune-fp8", "fusetune-fp8-static"} & set(cases):
         fusetune.patch(model, weights="fp8-e4m3")  # the 16-bit weights are gone after this
         if "fusetune-fp8" in cases:
@@ -213,14 +264,18 @@ def main() -> int:
     print(f"\n{where}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {args.model} ({args.layers or 'all'} layers) "
           f"{args.dtype}, {args.new} new tokens, greedy; 16-bit {floor}")
-    print("| case | batch | prompt | tokens/s | time to first token ms | logits rel. err | "
-          "top-1 agree |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | batch | prompt | tokens/s | time to first token ms | logits rel. err vs "
+          "unpatched | top-1 agree | logits rel. err vs float32 | top-1 agree |")
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def q(r: dict[str, Any], name: str) -> str:
+        key = f"logits_rel_err{name}"
+        return (f"{r[key]:.2e} | {100 * r[f'top1_agree{name}']:.1f}%" if key in r
+                else "- | -")
+
     for r in rows:
-        q = (f"{r['logits_rel_err']:.2e} | {100 * r['top1_agree']:.1f}%"
-             if "top1_agree" in r else "- | -")
         print(f"| {r['case']} | {r['batch']} | {r['prompt']} | {r['tokens_per_s']:.1f} | "
-              f"{r['ttft_ms']:.1f} | {q} |")
+              f"{r['ttft_ms']:.1f} | {q(r, '')} | {q(r, '_fp32')} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -37,7 +37,8 @@ def make(m: int, d: int, h: int, dtype: torch.dtype, seed: int = 0
 
 def check(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, **kw
           ) -> torch.Tensor:
-    out = fusetune.ffn(x, g, w1, w3, eps=1e-6, **kw)
+    kw.setdefault("eps", 1e-6)
+    out = fusetune.ffn(x, g, w1, w3, **kw)
     assert out.shape == (*x.shape[:-1], w1.shape[0]) and out.dtype == x.dtype
     assert torch.isfinite(out).all()
     ref = reference(x.cpu(), g.cpu(), w1.cpu(), w3.cpu(), kw.get("eps", 1e-6))

@@ -36,7 +36,8 @@ def make(m: int, d: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[tor
 
 
 def check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:
-    out = fusetune.lola(x, w, b, eps=1e-5, **kw)
+    kw.setdefault("eps", 1e-5)
+    out = fusetune.lola(x, w, b, **kw)
     assert out.shape == (*x.shape[:-1], w.shape[0]) and out.dtype == x.dtype
     assert torch.isfinite(out).all()
     ref = reference(x.cpu(), w.cpu(), b.cpu(), kw.get("eps", 1e-5))
