@@ -118,6 +118,57 @@ def _resolve_points(args: PointArgs, target: Target, small: bool
     return spec, space, points
 
 
+def _model_groups(args: PointArgs, small: bool) -> list[tuple[Any, Any, list[Any]]]:
+    """`--kernel all`: (spec, space, points) for every kernel and dims a model run by
+    fusetune.patch launches, at its decode batch sizes (1, 2, 4, ... up to --max-batch) and
+    prefill token counts (--prefill), or at --batch x --seq where given."""
+    from fusetune.kernels import get_spec
+    from fusetune.kernels._spec import Point
+    from fusetune.models import PATCH_KERNELS, load_model, model_rows, patched_dims
+    from fusetune.tuner.space import SpaceError, load_space
+
+    if args.model is None:
+        raise click.ClickException("--kernel all tunes every kernel a model launches: give "
+                                   "--model (a preset, or a Hugging Face model directory or "
+                                   "config.json)")
+    if args.dim is not None or args.dims_opt is not None or args.space_path is not None:
+        raise click.ClickException("--kernel all takes its dims from --model and each "
+                                   "kernel's own space: leave out --dim, --dims and --space")
+    try:
+        model = load_model(args.model)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    if args.batch is not None or args.seq is not None:
+        grid = INTERPRETER_GRID if small else DEFAULT_GRID
+        rows = [(b, s) for s in (args.seq or grid["seq"]) for b in (args.batch or grid["batch"])]
+    else:
+        batches = [1 << i for i in range(args.max_batch.bit_length())
+                   if 1 << i <= args.max_batch]
+        rows = model_rows(batches, args.prefill)
+    dtypes = args.dtype or [model.dtype]
+    groups = []
+    try:
+        for kernel in PATCH_KERNELS:
+            spec = get_spec(kernel)
+            space = load_space(spec)
+            weights = activations = ""
+            if spec.weight_formats and args.weights is not None:
+                weights = {spec.point_weights(args.weights, d) for d in dtypes}.pop()
+                activations = spec.point_activations(args.activations, weights)
+            elif args.activations != "16bit" and args.weights is None:
+                raise click.ClickException("--activations fp8 needs --weights fp8-e4m3 or "
+                                           "fp8-e5m2")
+            for dims in patched_dims(model)[kernel]:
+                points = [Point.make(kernel, dims, b, s, d, weights, activations)
+                          for d in dtypes for b, s in rows]
+                groups.append((spec, space, points))
+    except (SearchError, SpaceError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    err.print(f"[bold]{model.name}[/]: {len(groups)} kernels and dims, rows "
+              f"{', '.join(str(b * s) for b, s in rows)}, {','.join(dtypes)}")
+    return groups
+
+
 def _target(backend: str, gpu_name: str | None, dry_run: bool,
             devices: str | None = None) -> Target:
     try:
@@ -155,20 +206,23 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
     the points, a worker process each.
     """
     target = _target(args.backend, args.gpu_name, dry_run, devices)
-    spec, space, points = _resolve_points(args, target,
-                                          target.backend == "interpreter" and not dry_run)
-    if dry_run:
-        if devices is not None:
-            err.print(f"[yellow]note:[/] --devices {devices} is ignored with --dry-run")
-        _print_plan(spec, space, points, target, trials)
-        return
-    if target.devices:
-        _run_search_on_devices(spec, space, points, target, args.db, trials, time_budget,
-                               seed, args.trial_timeout, _compile_workers(args, target, False))
-        return
-    _run_search(spec, space, points, target, args.db, trials, time_budget, seed,
-                args.worker_timeout, compile_workers=_compile_workers(args, target, False),
-                compile_timeout=args.trial_timeout)
+    small = target.backend == "interpreter" and not dry_run
+    groups = (_model_groups(args, small) if args.kernel == "all"
+              else [_resolve_points(args, target, small)])
+    if dry_run and devices is not None:
+        err.print(f"[yellow]note:[/] --devices {devices} is ignored with --dry-run")
+    for spec, space, points in groups:
+        if dry_run:
+            _print_plan(spec, space, points, target, trials)
+        elif target.devices:
+            _run_search_on_devices(spec, space, points, target, args.db, trials, time_budget,
+                                   seed, args.trial_timeout,
+                                   _compile_workers(args, target, False))
+        else:
+            _run_search(spec, space, points, target, args.db, trials, time_budget, seed,
+                        args.worker_timeout,
+                        compile_workers=_compile_workers(args, target, False),
+                        compile_timeout=args.trial_timeout)
 
 
 def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trials: int) -> None:

@@ -70,6 +70,8 @@ class PointArgs:
     dtype: list[str] | None
     weights: str | None  # --weights as given (checked against the kernel and dtypes later)
     activations: str  # --activations: "16bit" or "fp8" (checked against the weights later)
+    max_batch: int  # --kernel all: decode batch sizes 1, 2, 4, ... up to this
+    prefill: list[int]  # --kernel all: prefill token counts
     db: str
     backend: str
     space_path: str | None
@@ -84,13 +86,23 @@ class PointArgs:
 
 
 _OPTIONS = (
-    click.option("--kernel", "-k", required=True, help="Kernel to tune (rmsnorm, ...)."),
+    click.option("--kernel", "-k", required=True,
+                 help="Kernel to tune (rmsnorm, rope, qkv, ffn, lola, linear), or `all`: every "
+                      "kernel that fusetune.patch launches in --model (qkv, ffn, linear for "
+                      "o_proj and down_proj, rmsnorm), at its decode and prefill rows."),
     click.option("--gpu", "gpu_name", default=None,
                  help="GPU the tables are for (3090, h100, a100-80gb; see `fusetune gpus`). Must "
                       "be a visible device when configs run. Default: the first visible GPU."),
     click.option("--model", default=None,
-                 help="Model preset for the dims (llama-2-7b, llama-3-8b, gpt2, ...). "
-                      f"Default: {DEFAULT_GRID['model']}."),
+                 help="The dims' model: a preset (llama-2-7b, llama-3-8b, llama-3-70b, "
+                      "mistral-7b, qwen2.5-7b, ...) or a Hugging Face model directory or its "
+                      "config.json (Llama, Mistral, Qwen2; read locally, no weights). Default: "
+                      f"{DEFAULT_GRID['model']}."),
+    click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+                 help="--kernel all: decode batch sizes 1, 2, 4, ... up to this."),
+    click.option("--prefill", callback=int_list,
+                 default="512,4096", show_default=True,
+                 help="--kernel all: prefill token counts (a batch of one prompt each)."),
     click.option("--dim", type=click.IntRange(min=1), default=None,
                  help="Width of the normalized rows (instead of --model)."),
     click.option("--dims", "dims_opt", callback=dims_map, default=None,

@@ -1,8 +1,14 @@
-"""Model presets: the dimensions that decide each kernel's shapes (`--model llama-2-7b`)."""
+"""Models: the dimensions that decide each kernel's shapes, by preset name (`--model
+llama-3-8b`) or read from a Hugging Face config.json (`--model path/to/model`), and the points a
+patched model launches (`model_points`: what `fusetune search --model M --kernel all` tunes)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -14,26 +20,126 @@ class ModelPreset:
     n_kv_heads: int
     head_dim: int
     norm_eps: float = 1e-6
+    qkv_bias: bool = False  # Qwen2's q/k/v projections have a bias
+    dtype: str = "bfloat16"  # the dtype the model ships in
 
 
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
-        ModelPreset("llama-2-7b", dim=4096, hidden=11008, n_heads=32, n_kv_heads=32, head_dim=128),
-        ModelPreset("llama-2-13b", dim=5120, hidden=13824, n_heads=40, n_kv_heads=40, head_dim=128),
-        ModelPreset("llama-2-70b", dim=8192, hidden=28672, n_heads=64, n_kv_heads=8, head_dim=128),
-        ModelPreset("llama-3-8b", dim=4096, hidden=14336, n_heads=32, n_kv_heads=8, head_dim=128),
-        ModelPreset("mistral-7b", dim=4096, hidden=14336, n_heads=32, n_kv_heads=8, head_dim=128),
-        ModelPreset("gpt2", dim=768, hidden=3072, n_heads=12, n_kv_heads=12, head_dim=64),
+        ModelPreset("llama-2-7b", dim=4096, hidden=11008, n_heads=32, n_kv_heads=32, head_dim=128,
+                    norm_eps=1e-5, dtype="float16"),
+        ModelPreset("llama-2-13b", dim=5120, hidden=13824, n_heads=40, n_kv_heads=40, head_dim=128,
+                    norm_eps=1e-5, dtype="float16"),
+        ModelPreset("llama-2-70b", dim=8192, hidden=28672, n_heads=64, n_kv_heads=8, head_dim=128,
+                    norm_eps=1e-5, dtype="float16"),
+        ModelPreset("llama-3-8b", dim=4096, hidden=14336, n_heads=32, n_kv_heads=8, head_dim=128,
+                    norm_eps=1e-5),
+        ModelPreset("llama-3-70b", dim=8192, hidden=28672, n_heads=64, n_kv_heads=8, head_dim=128,
+                    norm_eps=1e-5),
+        ModelPreset("mistral-7b", dim=4096, hidden=14336, n_heads=32, n_kv_heads=8, head_dim=128,
+                    norm_eps=1e-5),
+        ModelPreset("qwen2.5-7b", dim=3584, hidden=18944, n_heads=28, n_kv_heads=4, head_dim=128,
+                    qkv_bias=True),
+        ModelPreset("gpt2", dim=768, hidden=3072, n_heads=12, n_kv_heads=12, head_dim=64,
+                    dtype="float32"),
         # Small enough for Triton's CPU interpreter (the default grid without a GPU).
-        ModelPreset("tiny", dim=256, hidden=688, n_heads=4, n_kv_heads=2, head_dim=64),
+        ModelPreset("tiny", dim=256, hidden=688, n_heads=4, n_kv_heads=2, head_dim=64,
+                    dtype="float16"),
     )
 }
+# Model types whose config.json fusetune reads: the families fusetune.patch runs.
+CONFIG_TYPES = ("llama", "mistral", "qwen2")
+
+
+class ModelError(ValueError):
+    """A model name or config that cannot be used; the message says why and what can."""
 
 
 def preset(name: str) -> ModelPreset:
     """The preset called `name` (case-insensitive); ValueError listing the valid names."""
     key = name.strip().lower()
     if key not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(PRESETS)}")
+        raise ModelError(f"unknown model {name!r}; valid: {', '.join(PRESETS)}, or the path of "
+                         "a Hugging Face model directory or its config.json")
     return PRESETS[key]
+
+
+def load_model(name_or_path: str) -> ModelPreset:
+    """A preset by name, or the dims of the Hugging Face model whose directory or config.json
+    `name_or_path` is (read locally: nothing is downloaded, no weights are read)."""
+    path = Path(name_or_path)
+    if name_or_path.strip().lower() in PRESETS or not (path.exists() or path.suffix == ".json"
+                                                       or "/" in name_or_path):
+        return preset(name_or_path)
+    config_file = path if path.suffix == ".json" and not path.is_dir() else path / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"model {name_or_path!r}: no such file {str(config_file)!r} (a "
+                         f"Hugging Face model directory with a config.json, the config.json "
+                         f"itself, or a preset: {', '.join(PRESETS)})")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"model {name_or_path!r}: cannot read {str(config_file)!r} as JSON: "
+                         f"{e}") from None
+    if not isinstance(config, Mapping):
+        raise ModelError(f"model {name_or_path!r}: {str(config_file)!r} is not a JSON object")
+    return from_hf_config(config, str(config_file))
+
+
+def from_hf_config(config: Mapping[str, Any], source: str) -> ModelPreset:
+    """The dims of a Hugging Face config (a config.json's contents) of a supported family."""
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_TYPES:
+        raise ModelError(f"{source}: model_type {model_type!r} is not supported; supported: "
+                         f"{', '.join(CONFIG_TYPES)}")
+
+    def field(name: str) -> int:
+        v = config.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ModelError(f"{source}: {name}={v!r}; expected a positive integer")
+        return v
+
+    dim, n_heads = field("hidden_size"), field("num_attention_heads")
+    n_kv = config.get("num_key_value_heads") or n_heads
+    head_dim = config.get("head_dim") or dim // n_heads
+    eps = config.get("rms_norm_eps")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
+        raise ModelError(f"{source}: rms_norm_eps={eps!r}; expected a positive number")
+    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    if dtype not in ("float16", "bfloat16", "float32"):
+        raise ModelError(f"{source}: torch_dtype {dtype!r}; expected float16, bfloat16 or "
+                         "float32")
+    return ModelPreset(
+        name=str(config.get("_name_or_path") or Path(source).parent.name or model_type),
+        dim=dim, hidden=field("intermediate_size"), n_heads=n_heads, n_kv_heads=int(n_kv),
+        head_dim=int(head_dim), norm_eps=float(eps), qkv_bias=model_type == "qwen2",
+        dtype=dtype)
+
+
+# The kernels a patched model launches (fusetune.patch), and their dims in it.
+PATCH_KERNELS = ("qkv", "ffn", "linear", "rmsnorm")
+
+
+def patched_dims(model: ModelPreset) -> dict[str, list[dict[str, int]]]:
+    """Each kernel's dims in a model run by fusetune.patch: q/k/v with Hugging Face's
+    rotate_half pairing (interleaved 0), the feed-forward, the two output projections with the
+    residual add (o_proj: heads·head_dim -> dim; down_proj: hidden -> dim), and the norms
+    (the final one, and the first pass of qkv and ffn where a config has one)."""
+    return {
+        "qkv": [{"dim": model.dim, "head_dim": model.head_dim, "interleaved": 0,
+                 "n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}],
+        "ffn": [{"dim": model.dim, "hidden": model.hidden}],
+        "linear": [{"dim": model.n_heads * model.head_dim, "out": model.dim, "bias": 0,
+                    "residual": 1},
+                   {"dim": model.hidden, "out": model.dim, "bias": 0, "residual": 1}],
+        "rmsnorm": [{"dim": model.dim}],
+    }
+
+
+def model_rows(decode_batches: Sequence[int], prefill_tokens: Sequence[int]
+               ) -> list[tuple[int, int]]:
+    """(batch, seq) of the points: decode steps (seq 1) at each batch size, and prefills of
+    each token count (batch 1; the kernels see batch·seq rows either way)."""
+    rows = [(b, 1) for b in decode_batches] + [(1, s) for s in prefill_tokens]
+    return list(dict.fromkeys(rows))

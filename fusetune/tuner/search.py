@@ -120,14 +120,14 @@ def parse_dims(spec_dim_names: Sequence[str], model: str | None, dim: int | None
                dims: Mapping[str, int] | None, from_model: Callable[..., dict[str, int]]
                ) -> dict[str, int]:
     """The kernel's dims from --model, --dim (the width) or --dims k=v,..."""
-    from fusetune.models import preset
+    from fusetune.models import load_model
 
     given = sum(x is not None for x in (model, dim, dims))
     if given > 1:
         raise SearchError("give only one of --model, --dim, --dims")
     if model is not None:
         try:
-            return from_model(preset(model))
+            return from_model(load_model(model))
         except ValueError as e:
             raise SearchError(str(e)) from None
     if dim is not None:
