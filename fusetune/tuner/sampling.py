@@ -28,8 +28,8 @@ REPEATS_BEFORE_NUDGE = 3
 # parallel while the GPU times them one by one; the sampler sees their results after the batch.
 SEARCH_BATCH = 4
 # A climbing strategy expands the neighbourhoods of the best configs so far, best first, this
-# many of them: on the H100 grids an optimum two steps from the default was reached through the
-# second best (ffn at M = 4096: BLOCK_K 64 -> 32 only pays with num_stages 4).
+# many of them: an optimum two steps from the default can lie beyond the second best, where one
+# parameter pays only together with another (a smaller BLOCK_K with more stages).
 CLIMB_FROM = 2
 
 

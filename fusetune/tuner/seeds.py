@@ -1,14 +1,15 @@
 """The configs a study starts from: the default heuristic and the winners of neighbouring points.
 
-A point's neighbours are the other tuned points of its GPU, kernel and backend with weights of
-the same width (the same format, or for FP8 weights the other FP8 format): the winners stored
+A point's neighbours are the other tuned points of its GPU, kernel, backend and activation
+mode with weights of the same width (the same format, or for FP8 weights the other FP8
+format): the winners stored
 in the database and the entries of the lookup tables (the loaded ones and those shipped with
 fusetune) for that GPU. The nearest come first, by `point_distance` (row count, then dims:
 another model's shapes, then dtype) plus `weights_distance`. Their winners are only first guesses
 (they are evaluated like any other config), so neighbours tuned with another version of the
-kernel, Triton or torch are welcome too. On the H100's grids the decode optimum of one model's
-shapes was often another's (the ffn of Llama-2-7B and Llama-3-8B at one row: the same needle,
-the one config within 2% of 219; BENCHMARKS.md).
+kernel, Triton or torch are welcome too: one model's decode optimum is often another's, as the
+structure that streams the weights best depends on the rows and the GPU more than on the
+widths.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from fusetune.tuner.space import PointPlan, SearchSpace, config_key
 NEIGHBOURS = 2  # winners of this many nearest points are tried right after the default
 DTYPE_DISTANCE = 1.0  # another activation dtype counts as a factor of 2 in the row count
 # The other FP8 format (e5m2 for e4m3 and back) too: one byte a weight either way, so the same
-# tiles fit and the same decode structure wins or comes close (H100, one row: e4m3 ffn 39.7 µs,
-# e5m2 42.6 from a search that had not tried e4m3's winner; BENCHMARKS.md).
+# tiles fit and the same decode structure wins or comes close.
 WEIGHTS_DISTANCE = 1.0
 # Points farther apart than this (64× the rows, or the equivalent in dims) do not seed each other:
 # decode (few rows) and prefill (thousands) take other structures, and a winner of one, moved
