@@ -411,13 +411,16 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 def _caller_stacklevel() -> int:
     """The stacklevel at which a warnings.warn in the function calling this one names the
-    application's line: the first frame outside fusetune, and outside torch, whose dispatcher
-    runs between fusetune's public functions and their custom ops. (Python 3.12's
-    skip_file_prefixes does the same; the package supports 3.10.)"""
+    application's line: the first frame outside fusetune, torch (whose dispatcher runs between
+    fusetune's public functions and their custom ops) and transformers (whose modules call a
+    patched model's layers). (Python 3.12's skip_file_prefixes does the same; the package
+    supports 3.10.)"""
     skip = [_PACKAGE_DIR]
-    torch = sys.modules.get("torch")
-    if torch is not None and getattr(torch, "__file__", None):
-        skip.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    # torch's dispatcher, and transformers' modules where fusetune.patch runs a model.
+    for name in ("torch", "transformers"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            skip.append(os.path.dirname(os.path.abspath(module.__file__)) + os.sep)
     frame = sys._getframe(1)  # the function that warns: stacklevel 1
     level = 1
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
