@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = ["FusetuneWarning", "TableError", "ffn", "linear", "load_tables", "lola", "lookup",
-           "patch", "qkv", "quantize_fp8", "rmsnorm", "rope", "unpatch"]
+           "patch", "qkv", "quantize_fp8", "resolve", "rmsnorm", "rope", "unpatch"]
 
 _LAZY = {
     "rmsnorm": ("fusetune.kernels.rmsnorm", "rmsnorm"),
@@ -28,6 +28,7 @@ _LAZY = {
     "quantize_fp8": ("fusetune.kernels.fp8", "quantize_fp8"),
     "load_tables": ("fusetune.tables", "load_tables"),
     "lookup": ("fusetune.tables", "lookup"),
+    "resolve": ("fusetune.tables", "resolve"),
     "TableError": ("fusetune.tables", "TableError"),
     "FusetuneWarning": ("fusetune.tables", "FusetuneWarning"),
     "patch": ("fusetune.integrations.hf", "patch"),
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from fusetune.kernels.qkv import qkv
     from fusetune.kernels.rmsnorm import rmsnorm
     from fusetune.kernels.rope import rope
-    from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup
+    from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup, resolve
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from fusetune.cli_options import DEFAULT_DB, PointArgs, point_options, str_list
+from fusetune.cli_options import DEFAULT_DB, PointArgs, int_list, point_options, str_list
 from fusetune.tuner.search import (
     DEFAULT_GRID,
     INTERPRETER_GRID,
@@ -499,6 +499,80 @@ def _print_retime_failures(result: Any, out: Console) -> None:
     for key, why in result.retime_failed.items():
         out.print(f"[yellow]{result.point.label}: re-timing the finalist {key} failed, so it "
                   f"was not chosen: {why}[/yellow]")
+
+
+@main.command()
+@click.option("--model", required=True,
+              help="A preset (llama-3-8b, qwen2.5-7b, ...) or a Hugging Face model directory or "
+                   "its config.json.")
+@click.option("--gpu", "gpu_name", default=None,
+              help="The GPU whose tables answer (h100, h200, ...). Default: the first visible "
+                   "GPU.")
+@click.option("--dtype", default=None, help="Activation dtype. Default: the model's.")
+@click.option("--weights", default=None,
+              help="fp8-e4m3 or fp8-e5m2 for FP8 projections (default: the model's dtype).")
+@click.option("--activations", type=click.Choice(("16bit", "fp8")), default="16bit",
+              show_default=True, help="fp8: FP8 activations beside FP8 weights.")
+@click.option("--rows", callback=int_list, default="1,4,16,64,256,1024,4096",
+              show_default=True, help="Row counts (batch x sequence) to look up.")
+@click.option("--tables", "table_paths", multiple=True, type=click.Path(dir_okay=False),
+              help="Table files to read before the shipped tables (default: FUSETUNE_TABLES, "
+                   "then the shipped ones).")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def coverage(model: str, gpu_name: str | None, dtype: str | None, weights: str | None,
+             activations: str, rows: list[int], table_paths: tuple[str, ...],
+             as_json: bool) -> None:
+    """Where each config of a patched model comes from on one GPU.
+
+    For every kernel and dims that fusetune.patch launches in MODEL and every row count: exact
+    (a table entry of those rows), rows (another row count of the same dims), nearby (carried
+    over from the nearest tuned dims, checked against the GPU's limits) or default (the
+    heuristic), with the speedup over the default that the entry recorded.
+    """
+    import json
+
+    import fusetune
+    from fusetune import gpus as g
+    from fusetune.coverage import coverage as model_coverage
+    from fusetune.kernels._spec import point_activations, point_weights
+    from fusetune.models import load_model
+
+    try:
+        m = load_model(model)
+        if gpu_name is None:
+            visible = g.visible_gpus()
+            if not visible:
+                raise click.ClickException("no GPU is visible: name the GPU whose tables to read "
+                                           "with --gpu (h100, h200, ...)")
+            gpu_name = visible[0].spec.name
+        gpu = g.resolve(gpu_name).name
+        d = dtype or m.dtype
+        w = "" if weights is None else point_weights(weights, d)
+        a = point_activations(activations, w)
+        if table_paths:
+            fusetune.load_tables(*table_paths)
+        report = model_coverage(m, gpu, d, w, a, rows)
+    except (ValueError, fusetune.TableError) as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in report], indent=1))
+        return
+    t = Table(title=f"Configs of {m.name} on {gpu}, {d}"
+              + (f", weights {w}" if w else "") + (f", {a} activations" if a else ""))
+    for col in ("kernel", "use", "dims", "rows", "source", "from", "recorded speedup"):
+        t.add_column(col, overflow="fold")
+    for r in report:
+        origin = "-"
+        if r.source == "nearby" and r.tuned_dims is not None:
+            origin = ",".join(f"{k}={v}" for k, v in r.tuned_dims.items()) + f" @ {r.tuned_rows}"
+        elif r.tuned_rows is not None:
+            origin = f"rows {r.tuned_rows}" + (" (marginal)" if r.marginal else "")
+        t.add_row(r.kernel, r.use, ",".join(f"{k}={v}" for k, v in r.dims.items()), str(r.rows),
+                  r.source, origin, _fmt(r.speedup, ".2f") + ("×" if r.speedup else ""))
+    console.print(t)
+    counts = {s: sum(1 for r in report if r.source == s)
+              for s in ("exact", "rows", "nearby", "default")}
+    console.print("; ".join(f"{n} {s}" for s, n in counts.items()))
 
 
 @main.command("evaluate-search")

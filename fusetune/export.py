@@ -36,10 +36,31 @@ def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
             entry["activations"] = p.activations
         entry.update(batch=p.batch, seq=p.seq, config=dict(w.config),
                      time_us=round(w.time_us, 3),
-                     default_us=None if w.default_us is None else round(w.default_us, 3),
-                     triton=p.triton_version, torch=p.torch_version, backend=p.backend)
+                     default_us=None if w.default_us is None else round(w.default_us, 3))
+        entry.update(_spread(store, p.id, w, judge=p.backend == "cuda"))
+        entry.update(triton=p.triton_version, torch=p.torch_version, backend=p.backend)
         gpus.setdefault(p.gpu, {}).setdefault(p.kernel, []).append(entry)
     return _document(gpus, versions)
+
+
+def _spread(store: Store, point_id: int, winner: Any, judge: bool) -> dict[str, Any]:
+    """The p20/p80 µs of the winner's and the default config's stored timings, and (`judge`:
+    timings of a GPU, not the interpreter's wall clock) `marginal` where the winner beat the
+    default by no more than the wider of the two spreads (the lookup then runs the default: a
+    win within the noise is no reason to leave it)."""
+    from fusetune.tuner.space import config_key
+
+    results = store.results(point_id)
+    out: dict[str, Any] = {}
+    spreads = []
+    for prefix, config in (("", winner.config), ("default_", winner.default_config)):
+        r = results.get(config_key(config))
+        if r is not None and r.p20_us is not None and r.p80_us is not None:
+            out[f"{prefix}p20_us"], out[f"{prefix}p80_us"] = round(r.p20_us, 3), round(r.p80_us, 3)
+            spreads.append(r.p80_us - r.p20_us)
+    if judge and winner.default_us is not None and spreads:
+        out["marginal"] = winner.default_us - winner.time_us <= max(spreads)
+    return out
 
 
 def _entry_order(e: dict[str, Any]) -> tuple[Any, ...]:

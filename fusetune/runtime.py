@@ -10,16 +10,20 @@ inside the package. The entries of a kernel are checked against its spec when th
 if the loader hands in the specs (fusetune.load_tables does), else when that kernel is first
 looked up (the shipped tables and FUSETUNE_TABLES, which the first launch reads).
 
-Lookup: the exact row count, else the next tuned row count above it (within the tuned range)
-whose config can serve the asked rows (the matmul kernels' one-row structure serves one row;
-their entries serve fewer than KernelSpec.row_reach times fewer rows), else the kernel's
-default heuristic with a one-time warning.
+Lookup (`resolve` says which answered): the exact row count ("exact"), else the next tuned
+row count above it (within the tuned range) whose config can serve the asked rows ("rows": the
+matmul kernels' one-row structure serves one row; their entries serve fewer than
+KernelSpec.row_reach times fewer rows), else the config of the nearest entry of other dims
+that the point's limits hold ("nearby"), else the kernel's default heuristic with a one-time
+warning ("default"). An entry marked marginal (its winner did not beat the default beyond the
+timings' spread) answers with the default heuristic.
 
 This is the runtime path: it never imports optuna or sqlalchemy.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -34,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fusetune.kernels._spec import DTYPES, Config, ConfigError, Point
+from fusetune.kernels._spec import DTYPES, Config, ConfigError, Point, check_fits
 
 if TYPE_CHECKING:
     from fusetune.gpus import GpuSpec
@@ -44,7 +48,9 @@ SCHEMA_VERSION = 1
 ENV_VAR = "FUSETUNE_TABLES"
 ENTRY_FIELDS = {"dims": True, "dtype": True, "batch": True, "seq": True, "config": True,
                 "weights": False, "activations": False, "time_us": False, "default_us": False,
-                "triton": False, "torch": False, "backend": False}
+                "p20_us": False, "p80_us": False, "default_p20_us": False,
+                "default_p80_us": False, "marginal": False, "triton": False, "torch": False,
+                "backend": False}
 
 
 class TableError(ValueError):
@@ -69,16 +75,31 @@ class RawEntry:
     raw: Any
 
 
+@dataclass(frozen=True)
+class EntryInfo:
+    """What an entry says of its measurement: the winner's and the default heuristic's median
+    µs as exported, and whether the winner beat the default by more than their timings'
+    spread (`marginal`: it did not, and the lookup runs the default instead)."""
+
+    time_us: float | None = None
+    default_us: float | None = None
+    marginal: bool = False
+
+    @property
+    def speedup(self) -> float | None:
+        return self.default_us / self.time_us if self.time_us and self.default_us else None
+
+
 @dataclass
 class Tables:
     """Checked entries grouped by (GPU, kernel, dims, dtype, weights, activations), each group
-    sorted by
-    rows; `unchecked` holds, by kernel name, the entries not yet checked against the kernel's
-    spec (see `check`)."""
+    sorted by rows, with what each entry says of its measurement in `info`; `unchecked` holds,
+    by kernel name, the entries not yet checked against the kernel's spec (see `check`)."""
 
     groups: dict[GroupKey, list[tuple[int, Config]]] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)
     unchecked: dict[str, list[RawEntry]] = field(default_factory=dict)
+    info: dict[tuple[GroupKey, int], EntryInfo] = field(default_factory=dict)
 
     def merge(self, other: Tables) -> None:
         for k, rows in other.groups.items():
@@ -86,6 +107,8 @@ class Tables:
             self.groups[k].sort(key=lambda r: r[0])
         for kernel, entries in other.unchecked.items():
             self.unchecked.setdefault(kernel, []).extend(entries)
+        for k, info in other.info.items():
+            self.info.setdefault(k, info)
         self.sources += other.sources
 
     def check(self, spec: KernelSpec) -> None:
@@ -96,9 +119,10 @@ class Tables:
             return
         checked = [_checked(e, spec) for e in entries]
         del self.unchecked[spec.name]
-        for key, rows, config in checked:
+        for key, rows, config, info in checked:
             self.groups.setdefault(key, []).append((rows, config))
-        for key in {key for key, _, _ in checked}:
+            self.info.setdefault((key, rows), info)
+        for key in {c[0] for c in checked}:
             self.groups[key].sort(key=lambda r: r[0])
 
     def __len__(self) -> int:
@@ -110,7 +134,8 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str) -> tuple[GroupKey, int, Config]:
+def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str
+           ) -> tuple[GroupKey, int, Config, EntryInfo]:
     if not isinstance(raw, Mapping):
         raise TableError(f"{where}: an entry must be a mapping, got {type(raw).__name__}")
     missing = [k for k, required in ENTRY_FIELDS.items() if required and k not in raw]
@@ -147,20 +172,25 @@ def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str) -> tuple[GroupKey, 
             activations = spec.point_activations(activations, weights)
         except ValueError as e:
             raise TableError(f"{where}: {e}") from None
-    for k in ("time_us", "default_us"):
+    for k in ("time_us", "default_us", "p20_us", "p80_us", "default_p20_us", "default_p80_us"):
         v = raw.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise TableError(f"{where}: {k}={v!r} must be a number")
+    marginal = raw.get("marginal", False)
+    if not isinstance(marginal, bool):
+        raise TableError(f"{where}: marginal={marginal!r} must be true or false")
     try:
         config = spec.validate_config(raw["config"], where=f"{where}: config")
     except ConfigError as e:
         raise TableError(str(e)) from None
     key: GroupKey = (gpu, spec.name, tuple(sorted(dims.items())), raw["dtype"], weights,
                      activations)
-    return key, raw["batch"] * raw["seq"], config
+    info = EntryInfo(raw.get("time_us"), raw.get("default_us"), marginal)
+    return key, raw["batch"] * raw["seq"], config, info
 
 
-def _checked(entry: RawEntry, spec: KernelSpec) -> tuple[GroupKey, int, Config]:
+def _checked(entry: RawEntry, spec: KernelSpec
+             ) -> tuple[GroupKey, int, Config, EntryInfo]:
     try:
         return _entry(entry.raw, entry.where, spec, entry.gpu)
     except TableError as e:
@@ -250,8 +280,9 @@ def parse_tables(text: str, source: str, specs: Mapping[str, KernelSpec] | None)
                 if specs is None:
                     tables.unchecked.setdefault(str(kernel), []).append(entry)
                     continue
-                key, rows, config = _checked(entry, specs[kernel])
+                key, rows, config, info = _checked(entry, specs[kernel])
                 tables.groups.setdefault(key, []).append((rows, config))
+                tables.info.setdefault((key, rows), info)
     for rows in tables.groups.values():
         rows.sort(key=lambda r: r[0])
     return tables
@@ -373,7 +404,8 @@ def tuned_entries(spec: KernelSpec, gpu: str, weights: str = "",
 
 
 def _covering(rows: int, entries: list[tuple[int, Config]],
-              serves: Callable[[Config], bool], reach: int | None = None) -> Config | None:
+              serves: Callable[[Config], bool], reach: int | None = None
+              ) -> tuple[int, Config] | None:
     """The config of the smallest tuned row count >= `rows` among `entries` (sorted by rows)
     whose config `serves` these rows, and, with `reach` (KernelSpec.row_reach), that is fewer
     than reach times `rows`; None outside the tuned range or where none does.
@@ -384,7 +416,7 @@ def _covering(rows: int, entries: list[tuple[int, Config]],
     _matmul_spec.MATMUL_ROW_REACH)."""
     if not entries[0][0] <= rows <= entries[-1][0]:
         return None
-    return next((config for r, config in entries
+    return next(((r, config) for r, config in entries
                  if rows <= r and (reach is None or r < reach * rows) and serves(config)),
                 None)
 
@@ -430,8 +462,63 @@ def _caller_stacklevel() -> int:
     return level
 
 
-def _resolve(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
-             weights: str, gpu: GpuSpec, activations: str = "", warn: bool = True) -> Config:
+@dataclass(frozen=True)
+class Resolution:
+    """Where a point's config comes from: "exact" (a table entry of its rows), "rows" (an entry
+    of its dims at another row count that serves these rows), "nearby" (carried over from the
+    nearest tuned dims of its GPU, kernel, dtype, weights and activation mode, checked against
+    the point's limits) or "default" (the heuristic; also where the entry found is marginal:
+    its winner did not beat the default beyond the timings' spread). `rows` and `dims` name the
+    entry used; `speedup` is what it recorded over the default (default µs / tuned µs)."""
+
+    config: Config
+    source: str
+    rows: int | None = None
+    dims: tuple[tuple[str, int], ...] | None = None
+    speedup: float | None = None
+    marginal: bool = False
+
+
+# Entries of other dims farther than this (Σ |Δ log2| over the dims and the rows: 16× in one,
+# or 4× in two) lend no config: another shape's tiles stop being a guess better than the
+# default heuristic's.
+NEARBY_DISTANCE = 4.0
+
+
+def _distance(dims: tuple[tuple[str, int], ...], rows: int,
+              other: tuple[tuple[str, int], ...], other_rows: int) -> float:
+    d = sum(abs(math.log2(1 + a) - math.log2(1 + b))
+            for (_, a), (_, b) in zip(dims, other, strict=True))
+    return d + abs(math.log2(max(rows, 1)) - math.log2(max(other_rows, 1)))
+
+
+def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
+            ) -> Resolution | None:
+    """The config of the nearest entry of other dims (same GPU, kernel, dtype, weights and
+    activation mode) that, made canonical for `point`, its structure serves and `gpu` holds."""
+    gpu_name, kernel, dims, dtype, weights, activations = group
+    found: list[tuple[float, int, tuple[tuple[str, int], ...], Config, EntryInfo]] = []
+    for tables in _tables_in_order():
+        for key, entries in tables.groups.items():
+            if key[:2] != (gpu_name, kernel) or key[3:] != (dtype, weights, activations) \
+                    or key[2] == dims:
+                continue
+            for r, config in entries:
+                info = tables.info.get((key, r), EntryInfo())
+                d = _distance(dims, point.rows, key[2], r)
+                if d <= NEARBY_DISTANCE and not info.marginal:
+                    found.append((d, r, key[2], config, info))
+    for _, r, other_dims, config, info in sorted(found, key=lambda f: (f[0], -f[1])):
+        c = spec.canonical(config, point)
+        res = spec.resources(c, point)
+        if not res.unfit and check_fits(res, gpu) is None:
+            return Resolution(c, "nearby", r, other_dims, info.speedup)
+    return None
+
+
+def _resolution(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
+                weights: str, gpu: GpuSpec, activations: str = "", warn: bool = True
+                ) -> Resolution:
     kernel = spec.name
     group: GroupKey = (gpu.name, kernel, dims, dtype, weights, activations)
     point = Point(kernel, dims, 1, max(rows, 1), dtype, weights, activations)
@@ -441,6 +528,7 @@ def _resolve(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, ro
         # structure of the matmul kernels reads the weights once per row, so it serves one.
         return not spec.resources(config, point).unfit
 
+    default = spec.canonical(spec.default_config(point, gpu), point)
     tuned: list[tuple[int, Config]] = []
     for tables in _tables_in_order():
         tables.check(spec)
@@ -448,9 +536,16 @@ def _resolve(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, ro
         if entries:
             found = _covering(rows, entries, serves, spec.row_reach)
             if found is not None:
-                return found
+                r, config = found
+                info = tables.info.get((group, r), EntryInfo())
+                if info.marginal:  # no better than the default: run the default
+                    return Resolution(default, "default", r, dims, info.speedup, True)
+                return Resolution(config, "exact" if r == rows else "rows", r, dims,
+                                  info.speedup)
             tuned = tuned or entries
-    config = spec.canonical(spec.default_config(point, gpu), point)
+    near = _nearby(spec, group, point, gpu)
+    if near is not None:
+        return near
     if warn and group not in _warned:
         _warned.add(group)
         what = ", ".join(f"{k}={v}" for k, v in dims)
@@ -466,10 +561,15 @@ def _resolve(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, ro
         command = _search_command(spec, dims, dtype, rows, weights, gpu, activations)
         warnings.warn(
             f"fusetune: no tuned config for {kernel} on {gpu.name} ({what}, {dtype}{mode}; "
-            f"{have}): using the default heuristic {config}. Tune it with `{command}` "
+            f"{have}): using the default heuristic {default}. Tune it with `{command}` "
             f"and load the exported table with fusetune.load_tables() or {ENV_VAR}.",
             FusetuneWarning, stacklevel=_caller_stacklevel())
-    return config
+    return Resolution(default, "default")
+
+
+def _resolve(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
+             weights: str, gpu: GpuSpec, activations: str = "", warn: bool = True) -> Config:
+    return _resolution(spec, dims, dtype, rows, weights, gpu, activations, warn).config
 
 
 def cached_config(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
@@ -502,6 +602,32 @@ def _check_dims(spec: KernelSpec, dims: Mapping[str, int]) -> None:
     for k, v in dims.items():
         if not _is_int(v) or v < 0:
             raise ValueError(f"{spec.name}: dims.{k}={v!r} must be a non-negative integer")
+
+
+def resolve(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,
+            weights: str = "", activations: str = "", gpu: str | None = None,
+            device: Any = None, warn: bool = True) -> Resolution:
+    """The config spec's kernel launches with for this GPU and shape, with where it comes from
+    (Resolution: exact, rows, nearby or default) and the entry's recorded speedup.
+
+    `gpu` names a catalogue GPU ("h100", "3090", "interpreter"); by default the GPU of
+    `device` (or the current CUDA device; the interpreter when there is none).
+    """
+    if rows < 0:
+        raise ValueError(f"rows={rows} must be >= 0")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    _check_dims(spec, dims)
+    activations = spec.point_activations(activations, weights)
+    dims_t = tuple(sorted(dims.items()))
+    if gpu is not None:
+        from fusetune import gpus
+
+        gpu_spec = gpus.resolve(gpu)
+    else:
+        gpu_spec = gpu_for_device(device)
+    with _lock:
+        return _resolution(spec, dims_t, dtype, rows, weights, gpu_spec, activations, warn)
 
 
 def lookup(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,

@@ -79,6 +79,16 @@ def lookup(kernel: str, dims: Mapping[str, int], dtype: str, *, rows: int, weigh
                           activations=activations, gpu=gpu, device=device)
 
 
+def resolve(kernel: str, dims: Mapping[str, int], dtype: str, *, rows: int, weights: str = "",
+            activations: str = "", gpu: str | None = None, device: Any = None,
+            warn: bool = True) -> runtime.Resolution:
+    """`lookup`'s answer with where it comes from: a Resolution (config; source "exact",
+    "rows", "nearby" or "default"; the table entry's rows and dims; its recorded speedup over
+    the default heuristic). `warn`: the one-time warning where nothing tuned answers."""
+    return runtime.resolve(_spec(kernel), dims, dtype, rows=rows, weights=weights,
+                           activations=activations, gpu=gpu, device=device, warn=warn)
+
+
 def tuned_entries(gpu: str, kernel: str, weights: str = "",
                   activations: str = "") -> list[TunedEntry]:
     """Every entry the lookup could use for `kernel` with `weights` and `activations` on `gpu`

@@ -285,7 +285,7 @@ def test_missing_entry_warning_suggests_the_gpu_and_weights() -> None:
     assert (w.filename, w.lineno) == (__file__, line)
     args = _suggested(str(w.message))
     assert args == ["search", "--kernel", "ffn", "--gpu", "h100-sxm", "--dims",
-                    "dim=4096,hidden=11000", "--batch", "5", "--seq", "1", "--dtype", "bfloat16",
+                    "dim=640,hidden=1728", "--batch", "5", "--seq", "1", "--dtype", "bfloat16",
                     "--weights", "fp8-e4m3"]
     r = invoke(*args, "--dry-run")  # no H100 here: its plan shows the same point
     assert r.exit_code == 0, r.output
@@ -298,7 +298,9 @@ def _line() -> int:
     return frame.f_lineno
 
 
-FFN_DIMS = {"dim": 4096, "hidden": 11000}  # no shipped entries
+# No shipped entry has these dims, and none lies near enough to lend its config (the shipped
+# ffn entries are Llama-2-7B's, 4096 -> 11008: runtime.NEARBY_DISTANCE away and more).
+FFN_DIMS = {"dim": 640, "hidden": 1728}
 # The matmul kernels' one-row structure (BLOCK_M = 1: a GEMV that reads the weights once per
 # row) and tensor-core tiles.
 FFN_GEMV = {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1,
@@ -393,11 +395,19 @@ def test_other_dtype_uses_default(tmp_path: Path) -> None:
     assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=16, gpu="h100") == CFG_C
 
 
-def test_other_dims_use_default(tmp_path: Path) -> None:
-    fusetune.load_tables(write(tmp_path / "t.yaml", doc({"h100-sxm": [entry(16, 1, CFG_C)]})))
+def test_near_dims_carry_over_far_dims_use_default(tmp_path: Path) -> None:
+    fusetune.load_tables(write(tmp_path / "t.yaml", doc({"h100-sxm": [
+        entry(16, 1, CFG_C, dtype="float32")]})))
+    # Twice the width: the entry's config, made canonical for the point, without a warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusetune.FusetuneWarning)
+        got = fusetune.lookup("rmsnorm", {"dim": 128}, "float32", rows=16, gpu="h100")
+    point = Point.make("rmsnorm", {"dim": 128}, 16, 1, "float32")
+    assert got == SPEC.canonical(CFG_C, point)
+    # 64 times the width: too far to be a better guess than the default heuristic.
     with pytest.warns(fusetune.FusetuneWarning):
-        got = fusetune.lookup("rmsnorm", {"dim": 128}, "float16", rows=16, gpu="h100")
-    assert got == default_for(16, dim=128)
+        got = fusetune.lookup("rmsnorm", {"dim": 4096}, "float32", rows=16, gpu="h100")
+    assert got == default_for(16, dtype="float32", dim=4096)
 
 
 def test_env_var_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

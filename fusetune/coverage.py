@@ -1,0 +1,56 @@
+"""Where the configs of a patched model come from (`fusetune coverage`): for every point the
+model launches through fusetune.patch, the lookup's answer on one GPU (exact, rows, nearby or
+default) and the speedup its table entry recorded over the default heuristic."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fusetune.models import PATCH_KERNELS, ModelPreset, patched_dims
+
+# What each kernel's dims stand for in a decoder layer (linear: two projections).
+USES = {"qkv": ("qkv",), "ffn": ("gate_up",), "linear": ("o_proj", "down_proj"),
+        "rmsnorm": ("norm",)}
+
+
+@dataclass(frozen=True)
+class CoverageRow:
+    kernel: str
+    use: str
+    dims: dict[str, int]
+    rows: int
+    dtype: str
+    weights: str
+    activations: str
+    source: str  # exact, rows, nearby, default
+    tuned_rows: int | None
+    tuned_dims: dict[str, int] | None
+    speedup: float | None
+    marginal: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def coverage(model: ModelPreset, gpu: str, dtype: str, weights: str, activations: str,
+             rows: Sequence[int]) -> list[CoverageRow]:
+    """The lookup's answer for every kernel, use and row count of `model` on `gpu` (no warning
+    for a missing entry: this is the report of them). `weights` and `activations` as Point's
+    (the norm has no weights)."""
+    from fusetune.kernels import get_spec
+    from fusetune.tables import resolve
+
+    out = []
+    for kernel in PATCH_KERNELS:
+        spec = get_spec(kernel)
+        w, a = (weights, activations) if spec.weight_formats else ("", "")
+        for use, dims in zip(USES[kernel], patched_dims(model)[kernel], strict=True):
+            for r in rows:
+                res = resolve(kernel, dims, dtype, rows=r, weights=w, activations=a, gpu=gpu,
+                              warn=False)
+                out.append(CoverageRow(kernel, use, dims, r, dtype, w, a, res.source, res.rows,
+                                       None if res.dims is None else dict(res.dims),
+                                       res.speedup, res.marginal))
+    return out

@@ -1,0 +1,139 @@
+"""Where a config comes from (exact, rows, nearby, default), marginal entries, and `fusetune
+coverage` over the points of a patched model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+import fusetune
+from fusetune import cli, gpus
+from fusetune.kernels import get_spec
+from fusetune.kernels._spec import Point, check_fits
+from fusetune.runtime import NEARBY_DISTANCE
+
+FFN = get_spec("ffn")
+TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2, "SPLIT_K": 1,
+         "num_warps": 8, "num_stages": 3}
+GEMV = {"BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 512, "GROUP_M": 1, "PASSES": 1, "SPLIT_K": 1,
+        "THREAD_SUM": 1, "num_warps": 2, "num_stages": 1}
+
+
+def table(tmp_path: Path, entries: list[dict[str, Any]], kernel: str = "ffn") -> Path:
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {},
+                                    "gpus": {"h100": {kernel: entries}}}))
+    return path
+
+
+def ffn_entry(dim: int, hidden: int, rows: int, config: dict[str, int], **extra: Any
+              ) -> dict[str, Any]:
+    return {"dims": {"dim": dim, "hidden": hidden}, "dtype": "bfloat16", "batch": 1,
+            "seq": rows, "config": config, **extra}
+
+
+def resolve(dim: int, hidden: int, rows: int) -> Any:
+    return fusetune.resolve("ffn", {"dim": dim, "hidden": hidden}, "bfloat16", rows=rows,
+                            gpu="h100", warn=False)
+
+
+def test_sources_exact_rows_nearby_default(tmp_path: Path, fresh_tables: None) -> None:
+    fusetune.load_tables(table(tmp_path, [
+        ffn_entry(4096, 14336, 1, GEMV, time_us=80.0, default_us=90.0),
+        ffn_entry(4096, 14336, 64, TILES, time_us=100.0, default_us=150.0)]))
+    exact = resolve(4096, 14336, 1)
+    assert (exact.source, exact.rows, exact.speedup) == ("exact", 1, pytest.approx(1.125))
+    assert exact.config == FFN.validate_config(GEMV)
+    rows = resolve(4096, 14336, 48)  # the 64-row tiles serve 48 rows
+    assert (rows.source, rows.rows) == ("rows", 64)
+    # Other dims nearby (Qwen2.5-7B's width, Llama-3's entries): carried over, made canonical
+    # for the point and within the GPU's limits.
+    near = resolve(3584, 18944, 64)
+    assert (near.source, near.rows, dict(near.dims)) == ("nearby", 64,
+                                                          {"dim": 4096, "hidden": 14336})
+    p = Point.make("ffn", {"dim": 3584, "hidden": 18944}, 1, 64, "bfloat16")
+    assert near.config == FFN.canonical(FFN.validate_config(TILES), p)
+    assert check_fits(FFN.resources(near.config, p), gpus.resolve("h100")) is None
+    # Too far away (16x the width and the rows): the default heuristic.
+    far = resolve(256, 688, 4)
+    assert far.source == "default" and far.rows is None
+    assert far.config == FFN.canonical(FFN.default_config(
+        Point.make("ffn", {"dim": 256, "hidden": 688}, 1, 4, "bfloat16"),
+        gpus.resolve("h100")), Point.make("ffn", {"dim": 256, "hidden": 688}, 1, 4, "bfloat16"))
+    assert NEARBY_DISTANCE < 8
+    # lookup answers what resolve does
+    assert fusetune.lookup("ffn", {"dim": 3584, "hidden": 18944}, "bfloat16", rows=64,
+                           gpu="h100") == near.config
+
+
+def test_nearby_skips_configs_the_point_cannot_run(tmp_path: Path, fresh_tables: None) -> None:
+    # A one-row (GEMV) entry serves one row only: at 2 rows of other dims it is no candidate,
+    # and the next nearest that is one answers.
+    fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 1, GEMV),
+                                          ffn_entry(4096, 11008, 4, TILES)]))
+    near = resolve(4096, 12288, 2)
+    assert near.source == "nearby" and dict(near.dims) == {"dim": 4096, "hidden": 11008}
+
+
+def test_a_marginal_entry_answers_with_the_default(tmp_path: Path, fresh_tables: None) -> None:
+    # An entry whose winner did not beat the default beyond the timings' spread: the lookup
+    # runs the default heuristic there, and says so.
+    fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 64, TILES, time_us=100.0,
+                                                    default_us=101.0, marginal=True)]))
+    res = resolve(4096, 14336, 64)
+    p = Point.make("ffn", {"dim": 4096, "hidden": 14336}, 1, 64, "bfloat16")
+    assert (res.source, res.marginal) == ("default", True)
+    assert res.config == FFN.canonical(FFN.default_config(p, gpus.resolve("h100")), p)
+    lent = resolve(3584, 18944, 64)  # nor does it lend its config (a shipped entry may)
+    assert lent.dims is None or dict(lent.dims) != {"dim": 4096, "hidden": 14336}
+    bad = table(tmp_path, [ffn_entry(4096, 14336, 64, TILES, marginal="yes")])
+    with pytest.raises(fusetune.TableError, match=r"marginal='yes' must be true or false"):
+        fusetune.load_tables(bad)
+
+
+def test_export_writes_the_spread_and_marks_marginal_wins(tmp_path: Path) -> None:
+    from fusetune.db.store import PointKey, Store
+    from fusetune.export import build_tables
+
+    store = Store(f"sqlite:///{tmp_path}/ft.db")
+    default = {"BLOCK_D": 64, "ROWS": 1, "num_warps": 4, "num_stages": 1}
+    won = {**default, "num_warps": 8}
+    for dim, (w_us, d_us) in {64: (10.0, 10.2), 128: (10.0, 20.0)}.items():
+        pid = store.point_id(PointKey("h100-sxm", "rmsnorm", {"dim": dim}, 1, 1, "float16", "",
+                                      "cuda", "k", "3.6.0", "2.11"))
+        for c, us in ((won, w_us), (default, d_us)):
+            store.record(pid, json.dumps(dict(sorted(c.items())), separators=(",", ":")), c,
+                         "ok", time_us=us, p20_us=us - 0.5, p80_us=us + 0.5)
+        store.set_winner(pid, won, w_us, default, d_us, 1, 1, 2)
+    entries = build_tables(store)["gpus"]["h100-sxm"]["rmsnorm"]
+    by_dim = {e["dims"]["dim"]: e for e in entries}
+    assert by_dim[64]["marginal"] is True  # 0.2 µs apart, each spread 1 µs
+    assert by_dim[128]["marginal"] is False
+    assert (by_dim[128]["p20_us"], by_dim[128]["p80_us"]) == (9.5, 10.5)
+    assert (by_dim[128]["default_p20_us"], by_dim[128]["default_p80_us"]) == (19.5, 20.5)
+
+
+def test_coverage_names_each_points_source(tmp_path: Path, fresh_tables: None) -> None:
+    path = table(tmp_path, [ffn_entry(4096, 14336, 1, GEMV, time_us=80.0, default_us=90.0),
+                            ffn_entry(4096, 14336, 64, TILES)])
+    r = CliRunner().invoke(cli.main, ["coverage", "--model", "llama-3-8b", "--gpu", "h100",
+                                      "--rows", "1,16,4096", "--tables", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)
+    assert {(x["kernel"], x["use"]) for x in rows} == {
+        ("qkv", "qkv"), ("ffn", "gate_up"), ("linear", "o_proj"), ("linear", "down_proj"),
+        ("rmsnorm", "norm")}
+    ffn = {x["rows"]: x for x in rows if x["kernel"] == "ffn"}
+    assert ffn[1]["source"] == "exact" and ffn[1]["speedup"] == pytest.approx(1.125)
+    assert ffn[16]["source"] == "rows" and ffn[16]["tuned_rows"] == 64
+    assert all(x["source"] in ("exact", "rows", "nearby", "default") for x in rows)
+    shown = CliRunner().invoke(cli.main, ["coverage", "--model", "llama-3-8b", "--gpu", "h100",
+                                          "--rows", "1", "--tables", str(path)])
+    assert shown.exit_code == 0 and "gate_up" in shown.output and "1.12×" in shown.output
+    bad = CliRunner().invoke(cli.main, ["coverage", "--model", "phi-9", "--gpu", "h100"])
+    assert bad.exit_code != 0 and "unknown model 'phi-9'; valid:" in bad.output
