@@ -211,6 +211,12 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
               else [_resolve_points(args, target, small)])
     if dry_run and devices is not None:
         err.print(f"[yellow]note:[/] --devices {devices} is ignored with --dry-run")
+    gpu = target.gpu
+    if (not dry_run and target.backend == "cuda" and not gpu.fp8_tensor_cores
+            and any(p.fp8_activations for _, _, points in groups for p in points)):
+        major, minor = gpu.compute_capability
+        raise click.ClickException(f"--activations fp8 needs FP8 tensor cores (compute "
+                                   f"capability 8.9+); {gpu.name} has {major}.{minor}")
     for spec, space, points in groups:
         if dry_run:
             _print_plan(spec, space, points, target, trials)

@@ -310,10 +310,16 @@ class SampledPlan:
         return self.raw_of(key) is not None and self.pruned(key) is None
 
     def target(self, trials: int) -> int:
+        """`trials`, where the sample shows the space holds that many feasible configs (after
+        more draws, a few per config wanted). Else, for a space small enough to enumerate, the
+        exact count; for a larger one, the count the draws met: a GPU that prunes all but a
+        sliver of millions of configs leaves the search those (and its start configs, the
+        default first) rather than minutes of pricing every config."""
         if self._full is None and len(self.sampled_feasible) < trials:
-            # More draws first (a few per distinct config wanted), then the whole space.
             self._draw(max(0, min(50 * trials, self.raw_size) - self.drawn))
             if len(self.sampled_feasible) < trials:
+                if self.raw_size > ENUMERATE_LIMIT:
+                    return len(self.sampled_feasible)
                 self._full = make_plan(self.space, self.spec, self.point, self.gpu)
         if self._full is not None:
             return self._full.target(trials)

@@ -136,8 +136,8 @@ def test_gemv_thread_sum(dtype: torch.dtype, rows: int, bk: int, passes: int, sp
     # THREAD_SUM = 1: each thread adds the products of its 16-byte run of a weight row (8
     # float16 or 4 float32 elements) before accumulating; K = 3000 leaves partial steps and,
     # with SPLIT_K, a partial slice. The sums come in another order: close to THREAD_SUM = 0,
-    # not bit-identical.
-    x, g, w1, w3 = make(3, 3000, 37, dtype)
+    # not bit-identical. Two rows, 13 outputs: partial column blocks, a program per row.
+    x, g, w1, w3 = make(2, 3000, 13, dtype)
     config = {"BLOCK_M": 1, "BLOCK_N": rows, "BLOCK_K": bk, "GROUP_M": 1, "PASSES": passes,
               "SPLIT_K": split, "UNROLL_K": unroll, "num_warps": 2, "num_stages": 1}
     summed = check(x, g, w1, w3, config={**config, "THREAD_SUM": 1})
