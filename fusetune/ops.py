@@ -30,6 +30,36 @@ from fusetune.kernels import linear as _linear
 from fusetune.kernels import qkv as _qkv
 from fusetune.kernels import rmsnorm as _rmsnorm
 
+_lowered = False
+
+
+def lower_as_fallbacks() -> None:
+    """Registers fusetune's custom ops with Inductor as fallback kernels (calls of the op as
+    it is, what Inductor does with them anyway), before torch.compile meets them.
+
+    Without it, Inductor of torch releases before 2.13 formats each op's inputs for a log
+    line whether or not it is logged, and a decoder stack's residual stream reaches every op
+    through every earlier one: the string, and the compile time, grow with 2^layers.
+    fusetune.patch calls this; call it before compiling a model of your own that uses these
+    ops. Imports Inductor (a second or so), once."""
+    global _lowered
+    if _lowered:
+        return
+    from torch._inductor import lowering
+
+    for op in (_rmsnorm_op, _qkv_op, _ffn_op, _linear_op):
+        overload = op._opoverload
+        if overload in lowering.lowerings:
+            continue
+        constraint = None
+        if hasattr(lowering, "get_layout_constraint_tag") and hasattr(
+                lowering, "tag_to_layout_constraint"):  # as an implicit fallback gets it
+            tag = lowering.get_layout_constraint_tag(overload, with_default=True)
+            constraint = lowering.tag_to_layout_constraint(tag)
+        lowering.make_fallback(overload, layout_constraint=constraint, warn=False)
+    _lowered = True
+
+
 # ---- rmsnorm --------------------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from fusetune.kernels._call_memo import clear_all as clear_memos
 from fusetune.kernels._spec import DTYPES, Config, ConfigError, Point, check_fits
 
 if TYPE_CHECKING:
@@ -316,6 +317,7 @@ def load_tables(*paths: str | Path, specs: Mapping[str, KernelSpec] | None) -> T
     with _lock:
         _user = tables
         _cache.clear()
+        clear_memos()
         _warned.clear()
     return tables
 
@@ -356,6 +358,7 @@ def reset() -> None:
     with _lock:
         _user, _shipped = None, None
         _cache.clear()
+        clear_memos()
         _warned.clear()
         _gpu_names.clear()
 

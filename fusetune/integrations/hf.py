@@ -130,13 +130,15 @@ def patch(model: nn.Module, *, weights: str | None = None,
         raise ValueError(f"fusetune.patch: this {type(model).__name__} is patched already "
                          f"(weights={state.weights or None!r}); fusetune.unpatch(model) first")
     _check(family, base)
-    from fusetune import ops  # noqa: F401  (fails here, not in the first forward, if missing)
+    from fusetune import ops  # fails here, not in the first forward, if missing
 
     if activations:
         from fusetune.kernels import fp8 as fp8_kernels
 
         fp8_kernels.check_fp8_activations("fusetune.patch", weights or "",
                                           next(base.parameters()).device)
+    if next(base.parameters()).device.type == "cuda":
+        ops.lower_as_fallbacks()  # for generate(cache_implementation="static"), which compiles
     state = PatchState(family.name, weights or "", activations or "")
     if weights:
         _quantize(base, weights.removeprefix("fp8-"))

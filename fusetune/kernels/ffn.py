@@ -24,6 +24,8 @@ import triton.language as tl
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels import fp8
+from fusetune.kernels._call_memo import CallMemo, tensor_key
+from fusetune.kernels._direct import direct
 from fusetune.kernels._matmul import (
     TWO_PRODUCT_SOURCES,
     block_rows,
@@ -165,7 +167,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
                        w_scaled=s1 is not None, tma=descs is not None)
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
-        _ffn_kernel[grid](
+        direct(_ffn_kernel)[grid](
             xa, g, w1a, w3a, out, ws, wsq, out if sx is None else sx,
             out if s1 is None else s1, out if s3 is None else s3, m, n, k, x.stride(0),
             w1.stride(0), out.stride(0), eps, FINISH=finish, **args,
@@ -200,6 +202,13 @@ def ffn(
     num_warps, num_stages) comes from the lookup tables (for this weight format and activation
     mode) unless `config` is given; no config changes the numerics.
     """
+    memo_key = None
+    if _MEMO.active(config):
+        memo_key = (tensor_key(x), tensor_key(rms_weight), tensor_key(w1), tensor_key(w3),
+                    tensor_key(w1_scale), tensor_key(w3_scale), eps, fp8_activations)
+        cfg = _MEMO.get(memo_key)
+        if cfg is not None:
+            return _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale, fp8_activations, cfg)
     if x.ndim < 1:
         raise ValueError("ffn: x must have at least one dimension")
     d = x.shape[-1]
@@ -214,30 +223,41 @@ def ffn(
             raise ValueError(f"ffn: {name} is on {t.device}, x on {x.device}")
     weights = fp8.check_weights("ffn", x, {"w1": w1, "w3": w3},
                                 {"w1_scale": w1_scale, "w3_scale": w3_scale})
-    if (w1_scale is None) != (w3_scale is None):  # the kernel scales both or neither
-        ones = torch.ones(w1.shape[0], dtype=torch.float32, device=x.device)
-        w1_scale, w3_scale = (ones if w1_scale is None else w1_scale,
-                              ones if w3_scale is None else w3_scale)
     check_device(x, "ffn")
     check_eps("ffn", eps)
     check_no_grad("ffn", x, rms_weight, w1, w3)
     if fp8_activations:
         fp8.check_fp8_activations("ffn", weights, x.device)
-    if w1.stride(-1) != 1 or w3.stride() != w1.stride():  # the kernel reads both with one stride
-        w1, w3 = w1.contiguous(), w3.contiguous()
-    hidden = w1.shape[0]
-    x2 = as_rows(x, d)
-    out = torch.empty((*x.shape[:-1], hidden), dtype=x.dtype, device=x.device)
-    m = x2.shape[0]
     if config is None:
         from fusetune.runtime import cached_config
 
-        cfg = cached_config(SPEC, (("dim", d), ("hidden", hidden)), dtype, m, weights, x.device,
-                            activations="fp8" if fp8_activations else "")
+        m = x.numel() // d if d else 0
+        cfg = cached_config(SPEC, (("dim", d), ("hidden", w1.shape[0])), dtype, m, weights,
+                            x.device, activations="fp8" if fp8_activations else "")
+        if memo_key is not None:
+            _MEMO.keep(memo_key, cfg)
     else:
         cfg = SPEC.validate_config(config)
-    _launch_2d(x2, rms_weight.contiguous(), w1, w3, out.view(-1, hidden), float(eps), cfg,
-               None if w1_scale is None else w1_scale.contiguous(),
+    return _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale, fp8_activations, cfg)
+
+
+_MEMO = CallMemo()
+
+
+def _run(x: torch.Tensor, rms_weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+         eps: float, w1_scale: torch.Tensor | None, w3_scale: torch.Tensor | None,
+         fp8_activations: bool, cfg: Config) -> torch.Tensor:
+    """ffn's launch, once its inputs are checked and its config chosen."""
+    if (w1_scale is None) != (w3_scale is None):  # the kernel scales both or neither
+        ones = torch.ones(w1.shape[0], dtype=torch.float32, device=x.device)
+        w1_scale, w3_scale = (ones if w1_scale is None else w1_scale,
+                              ones if w3_scale is None else w3_scale)
+    if w1.stride(-1) != 1 or w3.stride() != w1.stride():  # the kernel reads both with one stride
+        w1, w3 = w1.contiguous(), w3.contiguous()
+    d, hidden = x.shape[-1], w1.shape[0]
+    out = torch.empty((*x.shape[:-1], hidden), dtype=x.dtype, device=x.device)
+    _launch_2d(as_rows(x, d), rms_weight.contiguous(), w1, w3, out.view(-1, hidden), float(eps),
+               cfg, None if w1_scale is None else w1_scale.contiguous(),
                None if w3_scale is None else w3_scale.contiguous(), bool(fp8_activations))
     return out
 

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusetune.kernels._direct import direct
 from fusetune.kernels._matmul import cuda_capability, row_norm_stats
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
@@ -324,7 +325,7 @@ def norm_fp8_rows(x: torch.Tensor, g: torch.Tensor | None, eps: float, norm: boo
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
         block = min(next_pow2(k), 4096)
-        _norm_fp8_kernel[(m,)](x, x if g is None else g, q, s, k, x.stride(0), eps,
+        direct(_norm_fp8_kernel)[(m,)](x, x if g is None else g, q, s, k, x.stride(0), eps,
                                RMS=norm and g is not None, BLOCK_K=block, NORM=norm,
                                num_warps=max(1, min(16, block // 256)))
     return q.view(torch.float8_e4m3fn), s

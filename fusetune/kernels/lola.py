@@ -26,6 +26,7 @@ import triton.language as tl
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels import fp8
+from fusetune.kernels._direct import direct
 from fusetune.kernels._matmul import (
     block_rows,
     default_tiles,
@@ -246,7 +247,7 @@ def layernorm_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
     if m == 0:
         return y
     block, rows, warps = layernorm_pass_launch(k)
-    _layernorm_kernel[(cdiv(m, rows),)](x, y, m, k, x.stride(0), eps, BLOCK_K=block,
+    direct(_layernorm_kernel)[(cdiv(m, rows),)](x, y, m, k, x.stride(0), eps, BLOCK_K=block,
                                         ROWS=rows, SINGLE_PASS=block >= k, num_warps=warps)
     return y
 
@@ -282,7 +283,7 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, out: torch.Ten
                        w_scaled=sw is not None, tma=descs is not None)
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
-        _lola_kernel[grid](
+        direct(_lola_kernel)[grid](
             xa, wa, b, out, ws, wst, out if sx is None else sx, out if sw is None else sw,
             m, n, k, x.stride(0), w.stride(0), out.stride(0), eps, FINISH=finish, **args,
         )

@@ -36,6 +36,8 @@ import triton.language as tl
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels import fp8
+from fusetune.kernels._call_memo import CallMemo, tensor_key
+from fusetune.kernels._direct import direct
 from fusetune.kernels._matmul import (
     TWO_PRODUCT_SOURCES,
     block_rows,
@@ -288,7 +290,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0  # one row of positions: broadcast
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
-        _qkv_kernel[grid](
+        direct(_qkv_kernel)[grid](
             xa, g, wq, wk, wv, *row_descs, oq, ok, ov, ws, wsq, oq if sx is None else sx, sq,
             sk, sv, bq, bk, bv, cos, sin, m, k, seq, nq_pairs, nkv_pairs, half,
             x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), stride_cb, cos.stride(1),
@@ -338,6 +340,17 @@ def qkv(
     num_warps, num_stages) comes from the lookup tables (for this weight format and
     activation mode) unless `config` is given; no config changes the numerics.
     """
+    memo_key = None
+    if _MEMO.active(config):
+        memo_key = (tensor_key(x), tensor_key(rms_weight), tensor_key(wq), tensor_key(wk),
+                    tensor_key(wv), tensor_key(cos), tensor_key(sin), eps, head_dim,
+                    interleaved, type(interleaved), tensor_key(bq), tensor_key(bk), tensor_key(bv),
+                    tensor_key(wq_scale), tensor_key(wk_scale), tensor_key(wv_scale),
+                    fp8_activations)
+        cfg = _MEMO.get(memo_key)
+        if cfg is not None:
+            return _run(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, interleaved,
+                        (bq, bk, bv), (wq_scale, wk_scale, wv_scale), fp8_activations, cfg)
     if x.ndim != 3:
         raise ValueError(f"qkv: x must be [batch, seq, dim], got shape {tuple(x.shape)}")
     bsz, seq, d = x.shape
@@ -366,36 +379,17 @@ def qkv(
     weights = fp8.check_weights("qkv", x, {"wq": wq, "wk": wk, "wv": wv},
                                 {"wq_scale": wq_scale, "wk_scale": wk_scale,
                                  "wv_scale": wv_scale})
-    given = (wq_scale, wk_scale, wv_scale)
-    scales = None
-    if any(s is not None for s in given):  # the kernel scales all three or none
-        scales = tuple(torch.ones(w.shape[0], dtype=torch.float32, device=x.device)
-                       if s is None else s.contiguous() for w, s in zip((wq, wk, wv), given,
-                                                                        strict=True))
-    biases = None
-    if any(b is not None for b in (bq, bk, bv)):  # the kernel adds all three or none
-        biases = []
-        for name, b, w in (("bq", bq, wq), ("bk", bk, wk), ("bv", bv, wv)):
-            if b is None:
-                b = torch.zeros(w.shape[0], dtype=x.dtype, device=x.device)
+    for name, b, w in (("bq", bq, wq), ("bk", bk, wk), ("bv", bv, wv)):
+        if b is not None:
             if b.shape != (w.shape[0],) or b.device != x.device:
                 raise ValueError(f"qkv: {name} must be [{w.shape[0]}] on {x.device}, got "
                                  f"{tuple(b.shape)} on {b.device}")
             dtype_name(b.dtype)  # raises for a bias dtype the kernel cannot read
-            biases.append(b.contiguous())
-        biases = tuple(biases)
-    cos, sin = check_tables(cos, sin, bsz, seq, head_dim, x.device, "qkv")
+    check_tables(cos, sin, bsz, seq, head_dim, x.device, "qkv")
     check_device(x, "qkv")
     check_no_grad("qkv", x, rms_weight, wq, wk, wv, bq, bk, bv)
     if fp8_activations:
         fp8.check_fp8_activations("qkv", weights, x.device)
-    ws = [w if w.stride(-1) == 1 else w.contiguous() for w in (wq, wk, wv)]
-    x2 = x.reshape(bsz * seq, d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    q = torch.empty(bsz, seq, nq // head_dim, head_dim, dtype=x.dtype, device=x.device)
-    k = torch.empty(bsz, seq, nkv // head_dim, head_dim, dtype=x.dtype, device=x.device)
-    v = torch.empty_like(k)
     if config is None:
         from fusetune.runtime import cached_config
 
@@ -403,8 +397,44 @@ def qkv(
                 ("n_heads", nq // head_dim), ("n_kv_heads", nkv // head_dim))
         cfg = cached_config(SPEC, dims, dtype, bsz * seq, weights, x.device,
                             activations="fp8" if fp8_activations else "")
+        if memo_key is not None:
+            _MEMO.keep(memo_key, cfg)
     else:
         cfg = SPEC.validate_config(config)
+    return _run(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, interleaved, (bq, bk, bv),
+                (wq_scale, wk_scale, wv_scale), fp8_activations, cfg)
+
+
+_MEMO = CallMemo()
+
+
+def _run(x: torch.Tensor, rms_weight: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+         wv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, head_dim: int,
+         interleaved: bool, given_biases: tuple[torch.Tensor | None, ...],
+         given_scales: tuple[torch.Tensor | None, ...], fp8_activations: bool, cfg: Config
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv's launch, once its inputs are checked and its config chosen."""
+    bsz, seq, d = x.shape
+    nq, nkv = wq.shape[0], wk.shape[0]
+    scales = None
+    if any(s is not None for s in given_scales):  # the kernel scales all three or none
+        scales = tuple(torch.ones(w.shape[0], dtype=torch.float32, device=x.device)
+                       if s is None else s.contiguous()
+                       for w, s in zip((wq, wk, wv), given_scales, strict=True))
+    biases = None
+    if any(b is not None for b in given_biases):  # the kernel adds all three or none
+        biases = tuple(torch.zeros(w.shape[0], dtype=x.dtype, device=x.device) if b is None
+                       else b.contiguous() for w, b in zip((wq, wk, wv), given_biases,
+                                                           strict=True))
+    cos, sin = (t.unsqueeze(0) if t.ndim == 2 else t for t in (cos, sin))
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    ws = [w if w.stride(-1) == 1 else w.contiguous() for w in (wq, wk, wv)]
+    x2 = x.reshape(bsz * seq, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q = torch.empty(bsz, seq, nq // head_dim, head_dim, dtype=x.dtype, device=x.device)
+    k = torch.empty(bsz, seq, nkv // head_dim, head_dim, dtype=x.dtype, device=x.device)
+    v = torch.empty_like(k)
     _launch_2d(x2, rms_weight.contiguous(), *ws, q.view(bsz * seq, nq), k.view(bsz * seq, nkv),
                v.view(bsz * seq, nkv), cos, sin, seq, head_dim, float(eps), interleaved, cfg,
                scales, biases, bool(fp8_activations))

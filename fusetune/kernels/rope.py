@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
+from fusetune.kernels._direct import direct
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -110,7 +111,7 @@ def _launch_4d(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor, sin: torch.T
         return
     half = d // 2
     grid = (cdiv(tokens, config["BLOCK_T"]), cdiv(heads, config["BLOCK_H"]))
-    _rope_kernel[grid](
+    direct(_rope_kernel)[grid](
         x, y, cos, sin, tokens, seq, heads, half,
         x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),

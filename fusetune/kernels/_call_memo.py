@@ -1,0 +1,49 @@
+"""What a launcher's checks and table lookup decided, kept per call signature.
+
+A launcher checks its inputs (shapes, dtypes, devices, strides, eps, layout) and looks its
+config up on every call; at decode sizes that Python costs more than the kernel takes on the
+GPU. Both depend on nothing but the tensors' metadata and the call's other arguments (and the
+loaded tables), so a launcher keeps the config it resolved under a key of exactly those and a
+repeated call skips to the launch. A call with gradients enabled is checked in full every time
+(whether an input requires grad is not part of the key). `fusetune.runtime.reset` and
+`load_tables` clear every memo along with the lookup's own cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_MAX_ENTRIES = 1024  # per launcher: beyond it (a run of many shapes) the memo starts afresh
+_memos: list[CallMemo] = []
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """The metadata a launcher's checks read from a tensor (None stays None)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+class CallMemo(dict):  # type: ignore[type-arg]
+    """key -> what the checks and the lookup decided (a config, or a small plan)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _memos.append(self)
+
+    @staticmethod
+    def active(config: Any) -> bool:
+        """Whether a call may use the memo: its config comes from the tables and no
+        gradient can be asked for."""
+        return config is None and not torch.is_grad_enabled()
+
+    def keep(self, key: tuple[Any, ...], value: Any) -> Any:
+        if len(self) >= _MAX_ENTRIES:
+            self.clear()
+        self[key] = value
+        return value
+
+
+def clear_all() -> None:
+    for memo in _memos:
+        memo.clear()

@@ -1,0 +1,139 @@
+"""fusetune.kernels._direct: a repeated launch goes straight to the compiled kernel, with the
+arguments in the kernel's order, and only where Triton would pick the same compiled kernel."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from triton.runtime.jit import JITFunction
+
+from fusetune.kernels import _direct
+
+
+def _body(X, Y, n, eps, FLAG, BLOCK=16):  # a kernel's parameters; never run
+    pass
+
+
+class FakeKernel:
+    """A compiled kernel's launch entry points, recording what they are given."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[Any, ...]] = []
+
+    def launch_metadata(self, grid: Any, stream: Any, *values: Any) -> None:
+        return None
+
+    def run(self, *args: Any) -> None:
+        self.launches.append(args)
+
+
+class FakeJit(JITFunction):
+    """A JITFunction whose own run (Triton's path) only counts and hands out FakeKernels: one
+    per specialization, as Triton's cache would."""
+
+    def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        self.slow.append((grid, args, kwargs))
+        return self.kernel
+
+
+@pytest.fixture
+def launcher(monkeypatch: pytest.MonkeyPatch) -> Any:
+    fn = FakeJit(_body)
+    fn.slow, fn.kernel = [], FakeKernel()
+    launch = _direct.DirectLaunch(fn)
+    launch.enabled = True  # whatever Triton this machine has
+    launch._driver = SimpleNamespace(active=SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: "stream"))
+    return launch
+
+
+def test_repeated_launch_skips_the_binding(launcher: Any) -> None:
+    x, y = torch.zeros(64), torch.zeros(64)
+    launcher[(3, 2)](x, y, 48, 1e-5, FLAG=True, num_warps=4)
+    assert len(launcher.fn.slow) == 1 and launcher.hits == 0
+    launcher[(5,)](x, y, 32, 2e-5, FLAG=True, num_warps=4)  # same specialization
+    assert len(launcher.fn.slow) == 1 and launcher.hits == 1
+    grid0, grid1, grid2, stream, function, meta, _, _, _, *values = \
+        launcher.fn.kernel.launches[-1]
+    assert (grid0, grid1, grid2, stream, function, meta) == (5, 1, 1, "stream", "function",
+                                                              "metadata")
+    # every parameter in the kernel's order: the call's, then the keywords, then defaults
+    assert values[:5] == [x, y, 32, 2e-5, True] and values[5] == 16
+
+
+@pytest.mark.parametrize("change", ["alignment", "int_one", "int_not_16", "int_64_bits",
+                                    "dtype", "constexpr", "options"])
+def test_another_specialization_takes_tritons_path(launcher: Any, change: str) -> None:
+    x, y = torch.zeros(64), torch.zeros(64)
+    args: dict[str, Any] = dict(a=(x, y, 32, 1e-5), kw=dict(FLAG=True, num_warps=4))
+    launcher[(1,)](*args["a"], **args["kw"])
+    new_a, new_kw = list(args["a"]), dict(args["kw"])
+    if change == "alignment":
+        new_a[0] = x[1:]  # 4 bytes past a 16-byte boundary
+    elif change == "int_one":
+        new_a[2] = 1
+    elif change == "int_not_16":
+        new_a[2] = 33
+    elif change == "int_64_bits":
+        new_a[2] = 2**32
+    elif change == "dtype":
+        new_a[1] = y.half()
+    elif change == "constexpr":
+        new_kw["FLAG"] = False
+    else:
+        new_kw["num_warps"] = 8
+    launcher[(1,)](*new_a, **new_kw)
+    assert len(launcher.fn.slow) == 2 and launcher.hits == 0
+
+
+def test_other_arguments_and_observers_take_tritons_path(launcher: Any,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    x = torch.zeros(64)
+    descriptor = object()  # e.g. a TMA descriptor: never cached
+    for _ in range(2):
+        launcher[(1,)](x, descriptor, 32, 1e-5, FLAG=True)
+    assert len(launcher.fn.slow) == 2 and launcher.hits == 0
+    launcher[(1,)](x, x, 32, 1e-5, FLAG=True)
+    real_run = JITFunction.run
+
+    def observing_run(self: Any, *a: Any, **k: Any) -> Any:
+        return real_run(self, *a, **k)
+
+    monkeypatch.setattr(JITFunction, "run", observing_run)  # e.g. the tuner's launch watcher
+    launcher[(1,)](x, x, 32, 1e-5, FLAG=True)
+    assert len(launcher.fn.slow) == 4 and launcher.hits == 0
+    monkeypatch.undo()
+    launcher[(1,)](x, x, 32, 1e-5, FLAG=True)
+    assert launcher.hits == 1
+
+
+def test_not_a_jit_function_is_launched_as_it_is() -> None:
+    stand_in = object()
+    assert _direct.direct(stand_in) is stand_in
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launches_match_tritons() -> None:
+    from fusetune.kernels import rmsnorm as rmsnorm_mod
+
+    launch = _direct.direct(rmsnorm_mod._rmsnorm_kernel)
+    base = torch.randn(4 * 1000 + 1, device="cuda")
+    w = torch.rand(1000, device="cuda") + 0.5
+    with torch.no_grad():
+        for start in (0, 0, 1, 1, 0):  # 16-byte aligned rows, then rows 4 bytes off, then back
+            x = base[start:start + 4000].view(4, 1000)
+            want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+            torch.testing.assert_close(fusetune_rmsnorm(x, w), want, rtol=1e-5, atol=1e-5)
+    assert launch.hits >= 2
+
+
+def fusetune_rmsnorm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    import fusetune
+
+    return fusetune.rmsnorm(x, w, eps=1e-5)
