@@ -9,15 +9,17 @@
 #
 # Steps: decode, decode_fp8 (bench_decode, 16-bit and e4m3 weights), ffn, qkv (1 and 4096
 # rows), lola (one row 4096 -> 16384; 4096 rows 768 -> 3072 and 4096 -> 16384), linear (1, 16
-# and 4096 rows; down_proj and o_proj, bf16 and e4m3 weights), rope, rmsnorm, fp8 (bench_fp8 at
-# 1 and 4096 rows), generate (bench_generate: Llama-3-8B, batch 1,8 x prompt 128,1024; needs
-# transformers, pip install 'fusetune[hf]'). The kernel steps take about 15 minutes, generate
-# longer. Not in the default list: devices (needs two GPUs or more of one model) and
-# compile_ahead (several minutes of compiling).
-# DTYPE: the activations of the matmul and RoPE steps (default float16; linear and generate:
-# bfloat16). Each step's output goes to $OUT (default ./bench_out) as NAME.log, and its table as
-# NAME.md / NAME.json (generate: the table in its log, rows in generate.json); the GPU's clocks,
-# power and temperature every 250 ms to gpu_clocks.csv.
+# and 4096 rows; down_proj and o_proj, bf16 and e4m3 weights), rope, rope_bwd, swiglu and
+# swiglu_bwd (training sizes: 4 x 2048 tokens at Llama-3-8B's dims), rmsnorm, fp8 (bench_fp8
+# at 1 and 4096 rows), generate (bench_generate: Llama-3-8B, batch 1,8 x prompt 128,1024;
+# needs transformers, pip install 'fusetune[hf]'). The inference kernel steps take about 15
+# minutes (the training steps are not yet timed), generate longer. Not in the default list:
+# devices (needs two GPUs or more of one model) and compile_ahead (several minutes of
+# compiling).
+# DTYPE: the activations of the matmul and RoPE steps (default float16; linear, the training
+# steps and generate: bfloat16). Each step's output goes to $OUT (default ./bench_out) as
+# NAME.log, and its table as NAME.md / NAME.json (generate: the table in its log, rows in
+# generate.json); the GPU's clocks, power and temperature every 250 ms to gpu_clocks.csv.
 set -uo pipefail
 out=${OUT:-bench_out}
 mkdir -p "$out"
@@ -39,7 +41,8 @@ step() {  # step NAME SECONDS MODULE ARGS...: one benchmark, stopped like Ctrl-C
   tail -n 20 "$out/$name.log"
 }
 
-for s in ${STEPS:-decode decode_fp8 ffn qkv lola linear rope rmsnorm fp8 generate}; do
+all_steps="decode decode_fp8 ffn qkv lola linear rope rope_bwd swiglu swiglu_bwd rmsnorm fp8"
+for s in ${STEPS:-$all_steps generate}; do
   case $s in
     decode) echo "=== decode"; timeout -s INT 150 python3 -m benchmarks.bench_decode \
               --dtype "$dt" 2>&1 | tee "$out/decode.log" ;;
@@ -56,6 +59,10 @@ for s in ${STEPS:-decode decode_fp8 ffn qkv lola linear rope rmsnorm fp8 generat
             done ;;
     rope) step rope 120 bench_rope --shapes 1x4096x32x128,8x4096x32x128 --rounds 2 \
             --dtype "$dt" ;;
+    rope_bwd) step rope_bwd 180 bench_rope_bwd --shapes 4x2048x32x128,4x2048x8x128 --rounds 2 \
+                --dtype "$dt16" ;;
+    swiglu|swiglu_bwd) step "$s" 180 "bench_$s" --rows 8192 --hidden 14336 --rounds 2 \
+                         --dtype "$dt16" ;;
     rmsnorm) step rmsnorm 100 bench_rmsnorm --rows 4096,16384 --rounds 2 \
                --dtype float16,bfloat16 ;;
     fp8) step fp8_1 200 bench_fp8 --kernels ffn,qkv,lola --rows 1 --dtype "$dt"
@@ -68,7 +75,7 @@ for s in ${STEPS:-decode decode_fp8 ffn qkv lola linear rope rmsnorm fp8 generat
                2>&1 | tee "$out/devices.log" ;;
     compile_ahead) step compile_ahead 600 bench_compile_ahead --mode search --trials 16 \
                      --time-cap 60 ;;
-    *) echo "unknown step $s (valid: decode decode_fp8 ffn qkv lola linear rope rmsnorm fp8" \
-         "generate devices compile_ahead)"; exit 2 ;;
+    *) echo "unknown step $s (valid: decode decode_fp8 ffn qkv lola linear rope rope_bwd" \
+         "swiglu swiglu_bwd rmsnorm fp8 generate devices compile_ahead)"; exit 2 ;;
   esac
 done

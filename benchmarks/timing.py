@@ -78,10 +78,11 @@ def heading(gpu: Any, what: str, graphs: bool = True) -> str:
             f"{how}, median of interleaved rounds")
 
 
-def run(args: argparse.Namespace, cases: Sequence[dict[str, Any]]
-        ) -> tuple[list[dict[str, float | None]], dict[str, float]]:
+def run(args: argparse.Namespace, cases: Sequence[dict[str, Any]],
+        plain: Collection[str] = PLAIN) -> tuple[list[dict[str, float | None]], dict[str, float]]:
     """time_cases with the command line's --impls, --rounds and --no-graph."""
-    return time_cases(cases, args.impls.split(","), args.rounds, graphs=not args.no_graph)
+    return time_cases(cases, args.impls.split(","), args.rounds, graphs=not args.no_graph,
+                      plain=plain)
 
 
 def median_us(fn: Fn) -> float:
@@ -133,12 +134,13 @@ def host_us_per_call(fn: Fn, n: int = 2000) -> float:
 
 
 def time_cases(cases: Sequence[dict[str, Any]], impls: Sequence[str], rounds: int = 3,
-               graphs: bool = True, last: Collection[str] = TIMED_LAST
+               graphs: bool = True, last: Collection[str] = TIMED_LAST,
+               plain: Collection[str] = PLAIN
                ) -> tuple[list[dict[str, float | None]], dict[str, float]]:
     """Times `case["fns"][impl]` for every case; returns per-case medians (None where an impl
     is missing) and the Python-side µs per call of each impl at the first case. In each round
     a case's implementations run in the order of its dict, those named in `last` after the
-    others."""
+    others; those named in `plain` are timed as plain calls, never captured in a graph."""
     for case in cases:
         for k in list(case["fns"]):
             if k not in impls:
@@ -154,7 +156,7 @@ def time_cases(cases: Sequence[dict[str, Any]], impls: Sequence[str], rounds: in
     if graphs:
         for case in cases:
             for k, fn in case["fns"].items():
-                if fn is None or k in PLAIN:
+                if fn is None or k in plain:
                     continue
                 try:
                     case["fns"][k] = as_graph(fn)

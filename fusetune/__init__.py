@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = ["FusetuneWarning", "TableError", "ffn", "linear", "load_tables", "lola", "lookup",
-           "patch", "qkv", "quantize_fp8", "resolve", "rmsnorm", "rope", "unpatch"]
+           "patch", "qkv", "quantize_fp8", "resolve", "rmsnorm", "rope", "swiglu", "unpatch"]
 
 _LAZY = {
     "rmsnorm": ("fusetune.kernels.rmsnorm", "rmsnorm"),
@@ -25,6 +25,7 @@ _LAZY = {
     "linear": ("fusetune.kernels.linear", "linear"),
     "qkv": ("fusetune.kernels.qkv", "qkv"),
     "rope": ("fusetune.kernels.rope", "rope"),
+    "swiglu": ("fusetune.kernels.swiglu", "swiglu"),
     "quantize_fp8": ("fusetune.kernels.fp8", "quantize_fp8"),
     "load_tables": ("fusetune.tables", "load_tables"),
     "lookup": ("fusetune.tables", "lookup"),
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from fusetune.kernels.qkv import qkv
     from fusetune.kernels.rmsnorm import rmsnorm
     from fusetune.kernels.rope import rope
+    from fusetune.kernels.swiglu import swiglu
     from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup, resolve
 
 

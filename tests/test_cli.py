@@ -550,7 +550,8 @@ def test_kernel_search_export_lookup(kernel: str, dims: dict[str, int], sqlite_u
         fusetune.lookup(kernel, other, "float16", rows=6, gpu="interpreter")
 
 
-@pytest.mark.parametrize("kernel", ["rmsnorm", "rope", "qkv", "ffn", "lola"])
+@pytest.mark.parametrize("kernel", ["rmsnorm", "rope", "rope_bwd", "swiglu", "swiglu_bwd",
+                                    "qkv", "ffn", "lola"])
 def test_every_kernel_plans_with_defaults(kernel: str) -> None:
     # The default grid (llama-2-7b dims) for the named GPU, and the interpreter's small grid
     # (the "tiny" preset) that a machine without a GPU falls back to.

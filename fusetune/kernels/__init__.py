@@ -8,6 +8,9 @@ from fusetune.kernels import lola as _lola
 from fusetune.kernels import qkv as _qkv
 from fusetune.kernels import rmsnorm as _rmsnorm
 from fusetune.kernels import rope as _rope
+from fusetune.kernels import rope_bwd as _rope_bwd
+from fusetune.kernels import swiglu as _swiglu
+from fusetune.kernels import swiglu_bwd as _swiglu_bwd
 from fusetune.kernels._spec import KernelSpec
 
 REGISTRY: dict[str, KernelSpec] = {
@@ -17,6 +20,9 @@ REGISTRY: dict[str, KernelSpec] = {
     _qkv.SPEC.name: _qkv.SPEC,
     _rope.SPEC.name: _rope.SPEC,
     _linear.SPEC.name: _linear.SPEC,
+    _rope_bwd.SPEC.name: _rope_bwd.SPEC,
+    _swiglu.SPEC.name: _swiglu.SPEC,
+    _swiglu_bwd.SPEC.name: _swiglu_bwd.SPEC,
 }
 
 

@@ -60,6 +60,7 @@ from fusetune.kernels._matmul_spec import (
     matmul_resources,
     weight_bytes,
 )
+from fusetune.kernels._rotary import check_tables, rotary_tables, rotated
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -76,7 +77,6 @@ from fusetune.kernels._spec import (
     torch_dtype,
 )
 from fusetune.kernels.rmsnorm import _rmsnorm_kernel, norm_rows
-from fusetune.kernels.rope import check_tables, rotary_tables, rotated
 from fusetune.models import ModelPreset
 
 
