@@ -356,15 +356,34 @@ def test_bad_weights_value(ref_ops: dict[str, int]) -> None:
     assert_untouched(model, before)
 
 
-def test_gradients_refused(ref_ops: dict[str, int]) -> None:
-    model = fusetune.patch(tiny("llama"))
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_training_gradients_match_the_model(kind: str, ref_ops: dict[str, int]) -> None:
+    """With gradients recorded the patched layers run ops with backward passes (the real
+    kernels through the interpreter; never the fused inference ops) and every parameter's
+    gradient is the unpatched model's."""
     ids, mask = prompts()
-    with pytest.raises(RuntimeError, match=r"has no backward pass yet.*torch.no_grad"):
-        model(input_ids=ids, attention_mask=mask)
-    model.requires_grad_(False)
-    model(input_ids=ids, attention_mask=mask)  # nothing requires grad: fine
+    grads = []
+    for patched in (False, True):
+        model = tiny(kind).train()
+        model.config.attention_dropout = 0.0
+        if patched:
+            fusetune.patch(model)
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert sum(ref_ops.values()) == 0
+    want, got = grads
+    assert want.keys() == got.keys()
+    for name, g in want.items():
+        assert got[name] is not None, name
+        assert rel_err(got[name], g) <= 1e-4, name
+
+
+def test_fp8_gradients_refused(ref_ops: dict[str, int]) -> None:
+    model = fusetune.patch(tiny("llama"), weights="fp8-e4m3")
+    ids, mask = prompts()
     embeds = model.get_input_embeddings()(ids).requires_grad_(True)
-    with pytest.raises(RuntimeError, match="has no backward pass yet"):
+    with pytest.raises(RuntimeError, match=r"holds FP8 weights, which have no backward pass"):
         model(inputs_embeds=embeds, attention_mask=mask)
     with torch.inference_mode():
         model(inputs_embeds=embeds.detach(), attention_mask=mask)

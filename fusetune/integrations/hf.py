@@ -20,6 +20,9 @@ of the classes, so other models of the same family in the process stay as they a
   SiLU·mul -> `ops.ffn`, down_proj + the residual add -> `ops.linear`;
 - the final norm -> `ops.rmsnorm`.
 
+With gradients recorded, each patched layer runs its training path instead: fusetune.rmsnorm,
+the projections as torch matmuls, fusetune.rope and fusetune.swiglu, all with backward passes.
+
 `unpatch` deletes those instance attributes, so that each module's class `forward` is found
 again: same modules, same parameters, same forward functions. A model whose projections were
 quantized to FP8 cannot get its 16-bit weights back; `unpatch` refuses it.
@@ -37,9 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fusetune.kernels._spec import DTYPES, WEIGHT_FORMATS
+from fusetune.kernels.rmsnorm import rmsnorm
+from fusetune.kernels.rope import rope
+from fusetune.kernels.swiglu import swiglu
 
 _STATE = "_fusetune_patch"  # attribute of the patched base model (LlamaModel, ...)
 ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
@@ -111,9 +118,14 @@ def patch(model: nn.Module, *, weights: str | None = None,
     error per projection. Only the caller chooses it; no table or tuned config can.
 
     Everything is checked before anything changes: an unsupported model raises ValueError and is
-    left as it was. The patched layers have no backward pass: with gradients enabled and a
-    parameter or input that requires grad they raise RuntimeError (run under torch.no_grad() or
-    torch.inference_mode(); generate() does).
+    left as it was.
+
+    Training: where autograd records a layer (gradients enabled and a parameter or input that
+    requires grad), it runs ops that have backward passes instead of the fused inference
+    kernels: fusetune.rmsnorm, the projections as torch matmuls (cuBLAS), fusetune.rope and
+    fusetune.swiglu, so that `loss.backward()` gives the unpatched model's gradients. Under
+    torch.no_grad() or torch.inference_mode() (generate() runs there) the fused kernels run. A
+    model patched with FP8 weights has no backward pass: it raises RuntimeError there.
     """
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ValueError(f"fusetune.patch: weights={weights!r}; valid: None (the model's own "
@@ -349,16 +361,22 @@ def _quantize(base: nn.Module, fmt: str) -> None:
 # --- the replacement forwards --------------------------------------------------------------------
 
 
-def _refuse_grad(module: nn.Module, x: torch.Tensor, extra: Iterable[torch.Tensor] = ()) -> None:
-    """RuntimeError where autograd would need a backward the fused ops do not have yet."""
-    if torch.is_grad_enabled() and (
+def _wants_grad(module: nn.Module, x: torch.Tensor, fp8: bool,
+                extra: Iterable[torch.Tensor] = ()) -> bool:
+    """Whether autograd records this call (gradients enabled and an input or parameter that
+    requires grad): then the layer runs its training path, whose ops have backward passes.
+    A model with FP8 weights has none (RuntimeError)."""
+    if not torch.is_grad_enabled() or not (
             x.requires_grad or any(p.requires_grad for p in module.parameters())
             or any(t.requires_grad for t in extra)):
+        return False
+    if fp8:
         raise RuntimeError(
-            f"fusetune: the patched {type(module).__name__} has no backward pass yet, and "
-            "gradients are enabled with an input or parameter that requires grad; run it under "
-            "torch.no_grad() or torch.inference_mode() (generate() does), or call "
-            "model.requires_grad_(False); fusetune.unpatch(model) restores the trainable model")
+            f"fusetune: the patched {type(module).__name__} holds FP8 weights, which have no "
+            "backward pass, and gradients are enabled with an input or parameter that requires "
+            "grad; run it under torch.no_grad() or torch.inference_mode() (generate() does), "
+            "or patch the 16-bit model (fusetune.patch(model) without weights=) to train it")
+    return True
 
 
 def _scale(lin: nn.Module, fp8: bool) -> torch.Tensor | None:
@@ -378,16 +396,24 @@ def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], in
                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         from fusetune import ops
 
-        _refuse_grad(self, hidden_states, (norm.weight,))
+        train = _wants_grad(self, hidden_states, fp8, (norm.weight,))
         input_shape = hidden_states.shape[:-1]
         head_shape = (*input_shape, -1, self.head_dim)
         cos, sin = position_embeddings
         q_proj, k_proj, v_proj = self.q_proj, self.k_proj, self.v_proj
-        q, k, v = ops.qkv(hidden_states, norm.weight, q_proj.weight, k_proj.weight,
-                          v_proj.weight, cos, sin, norm.variance_epsilon, self.head_dim,
-                          bq=q_proj.bias, bk=k_proj.bias, bv=v_proj.bias,
-                          wq_scale=_scale(q_proj, fp8), wk_scale=_scale(k_proj, fp8),
-                          wv_scale=_scale(v_proj, fp8), fp8_activations=act)
+        if train:
+            # ops with backward passes; the projections are cuBLAS matmuls
+            h = rmsnorm(hidden_states, norm.weight, eps=norm.variance_epsilon)
+            q, k, v = (F.linear(h, p.weight, p.bias).view(head_shape)
+                       for p in (q_proj, k_proj, v_proj))
+            q = rope(q, cos, sin, interleaved=False)
+            k = rope(k, cos, sin, interleaved=False)
+        else:
+            q, k, v = ops.qkv(hidden_states, norm.weight, q_proj.weight, k_proj.weight,
+                              v_proj.weight, cos, sin, norm.variance_epsilon, self.head_dim,
+                              bq=q_proj.bias, bk=k_proj.bias, bv=v_proj.bias,
+                              wq_scale=_scale(q_proj, fp8), wk_scale=_scale(k_proj, fp8),
+                              wv_scale=_scale(v_proj, fp8), fp8_activations=act)
         query_states = q.view(head_shape).transpose(1, 2)
         key_states = k.view(head_shape).transpose(1, 2)
         value_states = v.view(head_shape).transpose(1, 2)
@@ -405,6 +431,8 @@ def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], in
             scaling=self.scaling, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         o_proj = self.o_proj
+        if train:
+            return hidden_states + F.linear(attn_output, o_proj.weight), attn_weights
         out = ops.linear(attn_output, o_proj.weight, residual=hidden_states,
                          weight_scale=_scale(o_proj, fp8), fp8_activations=act)
         return out, attn_weights
@@ -424,7 +452,6 @@ def _layer_forward(fp8: bool, act: bool = False) -> Callable[..., Any]:
                 **kwargs: Any) -> torch.Tensor:
         from fusetune import ops
 
-        _refuse_grad(self, hidden_states)
         # the patched attention returns the layer input + the attention block's output
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states, attention_mask=attention_mask,
@@ -432,6 +459,10 @@ def _layer_forward(fp8: bool, act: bool = False) -> Callable[..., Any]:
             position_embeddings=position_embeddings, **kwargs)
         norm, mlp = self.post_attention_layernorm, self.mlp
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        if _wants_grad(self, hidden_states, fp8):
+            h = rmsnorm(hidden_states, norm.weight, eps=norm.variance_epsilon)
+            a = swiglu(F.linear(h, gate.weight), F.linear(h, up.weight))
+            return hidden_states + F.linear(a, down.weight)
         h = ops.ffn(hidden_states, norm.weight, gate.weight, up.weight, norm.variance_epsilon,
                     gate_scale=_scale(gate, fp8), up_scale=_scale(up, fp8), fp8_activations=act)
         return ops.linear(h, down.weight, residual=hidden_states,
@@ -443,5 +474,6 @@ def _layer_forward(fp8: bool, act: bool = False) -> Callable[..., Any]:
 def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     from fusetune import ops
 
-    _refuse_grad(self, hidden_states)
+    if torch.is_grad_enabled():  # fusetune.rmsnorm has its backward pass
+        return rmsnorm(hidden_states, self.weight, eps=self.variance_epsilon)
     return ops.rmsnorm(hidden_states, self.weight, self.variance_epsilon)

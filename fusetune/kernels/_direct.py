@@ -43,6 +43,7 @@ class DirectLaunch:
     specialization (see the module's docstring). Use through `direct(jit_fn)`."""
 
     def __init__(self, fn: Any) -> None:
+        from triton import knobs
         from triton.runtime import driver
         from triton.runtime.jit import JITFunction
 
@@ -54,6 +55,7 @@ class DirectLaunch:
                          if getattr(p, "has_default", False)}
         self.kernels: dict[tuple[Any, ...], tuple[Any, tuple[tuple[str, Any], ...]]] = {}
         self._driver = driver
+        self._knobs = knobs
         self.hits = 0  # calls that took the short path (for tests)
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
@@ -96,14 +98,12 @@ class DirectLaunch:
                     self.kernels[key] = (kernel, tuple(kwargs[n] if n in kwargs
                                                        else self.defaults[n] for n in tail))
             return
-        from triton import knobs
-
         kernel, tail = entry
         values = args + tail
         stream = active.get_current_stream(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        runtime = knobs.runtime
+        runtime = self._knobs.runtime
         kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata,
                    kernel.launch_metadata(grid, stream, *values), runtime.launch_enter_hook,
                    runtime.launch_exit_hook, *values)
@@ -124,18 +124,19 @@ _KINDS: dict[type, Any] = {
     bool: lambda a: bool, float: lambda a: float, type(None): lambda a: None,
 }
 
-_launchers: dict[Any, Any] = {}
+_launchers: dict[int, DirectLaunch] = {}
 
 
 def direct(fn: Any) -> Any:
     """The launcher of the @triton.jit function `fn`: indexing it by a grid and calling it
     launches as fn[grid](...) does. Under the interpreter (or for anything but a JITFunction,
     such as a test's stand-in) it is `fn` itself."""
-    launcher = _launchers.get(fn)
-    if launcher is None:
-        from triton.runtime.jit import JITFunction
+    kept = _launchers.get(id(fn))  # by id: a JITFunction hashes its source on every call
+    if kept is not None and kept.fn is fn:
+        return kept
+    from triton.runtime.jit import JITFunction
 
-        if not isinstance(fn, JITFunction):
-            return fn
-        launcher = _launchers[fn] = DirectLaunch(fn)
+    if not isinstance(fn, JITFunction):
+        return fn
+    launcher = _launchers[id(fn)] = DirectLaunch(fn)
     return launcher

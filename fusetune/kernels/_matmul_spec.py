@@ -144,14 +144,21 @@ def first_pass(x: torch.Tensor, g: torch.Tensor | None, eps: float, config: Conf
 
 
 def launch_args(config: Config, *, act: bool, w_fp8: int, ieee: bool, w_scaled: bool,
-                tma: bool) -> dict[str, Any]:
+                tma: bool, passes: bool = True) -> dict[str, Any]:
     """The constexpr and launch arguments every matmul kernel takes for a launch of `config`
     (all but FINISH, which differs between the launches of a split-K product): the tiles,
     the FP8 activations (ACT_FP8: `act`, the caller's mode; the norm then ran as its own pass,
     PASSES = 2), how the weight tiles are read (W_FP8, fp8.W_*), whether there are channel
     scales (W_SCALED), exact float32 products (IEEE), the one-row structure's flags and whether
-    TMA descriptors are passed."""
-    return {
+    TMA descriptors are passed; PASSES only where the kernel takes it (`passes`).
+
+    The same dict (do not modify it) for the same config object and flags: at decode a
+    launcher's every call asks for it."""
+    key = (id(config), act, w_fp8, ieee, w_scaled, tma, passes)
+    kept = _launch_args.get(key)
+    if kept is not None and kept[0] is config:
+        return kept[1]
+    args = {
         "BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"],
         "BLOCK_K": config["BLOCK_K"], "GROUP_M": config["GROUP_M"],
         "PASSES": 2 if act else config["PASSES"], "SPLIT_K": config["SPLIT_K"], "IEEE": ieee,
@@ -160,6 +167,16 @@ def launch_args(config: Config, *, act: bool, w_fp8: int, ieee: bool, w_scaled: 
         "TMA": tma, "THREAD_SUM": gemv_flag(config, "THREAD_SUM"),
         "num_warps": config["num_warps"], "num_stages": config["num_stages"],
     }
+    if not passes:
+        del args["PASSES"]
+    if len(_launch_args) >= 4096:
+        _launch_args.clear()
+    # the config is kept beside its dict: its id is not reused while the entry lives
+    _launch_args[key] = (config, args)
+    return args
+
+
+_launch_args: dict[tuple[Any, ...], tuple[Config, dict[str, Any]]] = {}
 
 
 def launch_split(launch: Callable[[tuple[int, int], bool], None], tiles: int,

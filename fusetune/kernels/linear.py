@@ -206,9 +206,9 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     ws = out  # not read unless split > 1
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    # PASSES has one meaning here: not a constexpr of the kernel
     args = launch_args(config, act=act, w_fp8=w_fp8, ieee=x.dtype == torch.float32,
-                       w_scaled=sw is not None, tma=descs is not None)
-    del args["PASSES"]  # one meaning here: not a constexpr of the kernel
+                       w_scaled=sw is not None, tma=descs is not None, passes=False)
     # Absent operands: another tensor stands in for the pointer, never read (HAS_* = 0).
     bias = out if b is None else b
     res, stride_rm = (out, 0) if r is None else (r, r.stride(0))
