@@ -9,9 +9,10 @@
 #
 # Steps: decode, decode_fp8 (bench_decode, 16-bit and e4m3 weights), ffn, qkv (1 and 4096
 # rows), lola (one row 4096 -> 16384; 4096 rows 768 -> 3072 and 4096 -> 16384), linear (1, 16
-# and 4096 rows; down_proj and o_proj, bf16 and e4m3 weights), rope, rmsnorm, fp8 (bench_fp8 at
-# 1 and 4096 rows), generate (bench_generate: Llama-3-8B, batch 1,8 x prompt 128,1024; needs
-# transformers, pip install 'fusetune[hf]'). The kernel steps take about 15 minutes, generate
+# and 4096 rows; down_proj and o_proj, bf16 and e4m3 weights), rope, rmsnorm, rmsnorm_bwd (dx and
+# dweight at 4096x4096, 16384x4096 and 8192x8192 bf16), fp8 (bench_fp8 at 1 and 4096 rows),
+# generate (bench_generate: Llama-3-8B, batch 1,8 x prompt 128,1024; needs transformers, pip
+# install 'fusetune[hf]'). The kernel steps take about 15 minutes, generate
 # longer. Not in the default list: devices (needs two GPUs or more of one model) and
 # compile_ahead (several minutes of compiling).
 # DTYPE: the activations of the matmul and RoPE steps (default float16; linear and generate:
@@ -39,7 +40,7 @@ step() {  # step NAME SECONDS MODULE ARGS...: one benchmark, stopped like Ctrl-C
   tail -n 20 "$out/$name.log"
 }
 
-for s in ${STEPS:-decode decode_fp8 ffn qkv lola linear rope rmsnorm fp8 generate}; do
+for s in ${STEPS:-decode decode_fp8 ffn qkv lola linear rope rmsnorm rmsnorm_bwd fp8 generate}; do
   case $s in
     decode) echo "=== decode"; timeout -s INT 150 python3 -m benchmarks.bench_decode \
               --dtype "$dt" 2>&1 | tee "$out/decode.log" ;;
@@ -58,6 +59,8 @@ for s in ${STEPS:-decode decode_fp8 ffn qkv lola linear rope rmsnorm fp8 generat
             --dtype "$dt" ;;
     rmsnorm) step rmsnorm 100 bench_rmsnorm --rows 4096,16384 --rounds 2 \
                --dtype float16,bfloat16 ;;
+    rmsnorm_bwd) step rmsnorm_bwd 150 bench_rmsnorm_bwd \
+                   --shapes 4096x4096,16384x4096,8192x8192 --rounds 2 --dtype bfloat16 ;;
     fp8) step fp8_1 200 bench_fp8 --kernels ffn,qkv,lola --rows 1 --dtype "$dt"
          step fp8_4096 300 bench_fp8 --kernels ffn,qkv --rows 4096 --no-graph --dtype "$dt" ;;
     generate) echo "=== generate"; timeout -s INT 3600 python3 -m benchmarks.bench_generate \
@@ -68,7 +71,7 @@ for s in ${STEPS:-decode decode_fp8 ffn qkv lola linear rope rmsnorm fp8 generat
                2>&1 | tee "$out/devices.log" ;;
     compile_ahead) step compile_ahead 600 bench_compile_ahead --mode search --trials 16 \
                      --time-cap 60 ;;
-    *) echo "unknown step $s (valid: decode decode_fp8 ffn qkv lola linear rope rmsnorm fp8" \
-         "generate devices compile_ahead)"; exit 2 ;;
+    *) echo "unknown step $s (valid: decode decode_fp8 ffn qkv lola linear rope rmsnorm" \
+         "rmsnorm_bwd fp8 generate devices compile_ahead)"; exit 2 ;;
   esac
 done
