@@ -108,7 +108,12 @@ def run_case(model: Any, ids: torch.Tensor, new: int, static: bool, repeat: int,
 
 
 def profile(model: Any, ids: torch.Tensor, static: bool, case: str) -> None:
-    """Prints the GPU time of the kernels of a generate() of 8 new tokens, largest first."""
+    """Where a generate() of 8 new tokens spends its time: the GPU time of its kernels, largest
+    first, their sum beside the wall time (a decode step whose GPU is idle part of the time is
+    bound by the CPU), and the CPU time by Python function (cProfile, cumulative)."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -116,13 +121,31 @@ def profile(model: Any, ids: torch.Tensor, static: bool, case: str) -> None:
                               attention_mask=torch.ones_like(ids))
     if static:
         kw["cache_implementation"] = "static"
-    with torch.inference_mode(), torch_profile(activities=[ProfilerActivity.CUDA,
-                                                           ProfilerActivity.CPU]) as prof:
+    with torch.inference_mode():
+        model.generate(ids, **kw)  # compiled, cached, warm
+        sync()
+        t0 = time.perf_counter()
         model.generate(ids, **kw)
-        torch.cuda.synchronize()
-    print(f"-- {case}: GPU time by kernel over 8 new tokens (and the prompt)")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
-                                    max_name_column_width=60))
+        sync()
+        wall = time.perf_counter() - t0
+        with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            model.generate(ids, **kw)
+            sync()
+    events = prof.key_averages()
+    gpu_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                 for e in events)
+    print(f"-- {case}: generate() of 8 new tokens: {1e3 * wall:.1f} ms wall, kernels "
+          f"{gpu_us / 1e3:.1f} ms of GPU time ({100 * gpu_us / 1e6 / wall:.0f}% busy)")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+    pr = cProfile.Profile()
+    with torch.inference_mode():
+        pr.enable()
+        model.generate(ids, **kw)
+        sync()
+        pr.disable()
+    print(f"-- {case}: CPU time by function over the same generate() (cProfile, which adds "
+          "its own cost to every call)")
+    pstats.Stats(pr, stream=sys.stdout).sort_stats("cumulative").print_stats(30)
 
 
 def agreement(model: Any, ids: torch.Tensor, want: torch.Tensor, exact: torch.Tensor | None

@@ -10,12 +10,12 @@
 # Steps: decode, decode_fp8 (bench_decode, 16-bit and e4m3 weights), ffn, qkv (1 and 4096
 # rows), lola (one row 4096 -> 16384; 4096 rows 768 -> 3072 and 4096 -> 16384), linear (1, 16
 # and 4096 rows; down_proj and o_proj, bf16 and e4m3 weights), rope, rope_bwd, swiglu and
-# swiglu_bwd (training sizes: 4 x 2048 tokens at Llama-3-8B's dims), rmsnorm, fp8 (bench_fp8
-# at 1 and 4096 rows), generate (bench_generate: Llama-3-8B, batch 1,8 x prompt 128,1024;
-# needs transformers, pip install 'fusetune[hf]'). The inference kernel steps take about 15
-# minutes (the training steps are not yet timed), generate longer. Not in the default list:
-# devices (needs two GPUs or more of one model) and compile_ahead (several minutes of
-# compiling).
+# swiglu_bwd (training sizes: 4 x 2048 tokens at Llama-3-8B's dims), rmsnorm, rmsnorm_bwd (dx
+# and dweight at 4096x4096, 16384x4096 and 8192x8192 bf16), fp8 (bench_fp8 at 1 and 4096
+# rows), generate (bench_generate: Llama-3-8B, batch 1,8 x prompt 128,1024; needs
+# transformers, pip install 'fusetune[hf]'). The inference kernel steps take about 15 minutes
+# (the training steps are not yet timed), generate longer. Not in the default list: devices
+# (needs two GPUs or more of one model) and compile_ahead (several minutes of compiling).
 # DTYPE: the activations of the matmul and RoPE steps (default float16; linear, the training
 # steps and generate: bfloat16). Each step's output goes to $OUT (default ./bench_out) as
 # NAME.log, and its table as NAME.md / NAME.json (generate: the table in its log, rows in
@@ -41,7 +41,8 @@ step() {  # step NAME SECONDS MODULE ARGS...: one benchmark, stopped like Ctrl-C
   tail -n 20 "$out/$name.log"
 }
 
-all_steps="decode decode_fp8 ffn qkv lola linear rope rope_bwd swiglu swiglu_bwd rmsnorm fp8"
+all_steps="decode decode_fp8 ffn qkv lola linear rope rope_bwd swiglu swiglu_bwd rmsnorm"
+all_steps="$all_steps rmsnorm_bwd fp8"
 for s in ${STEPS:-$all_steps generate}; do
   case $s in
     decode) echo "=== decode"; timeout -s INT 150 python3 -m benchmarks.bench_decode \
@@ -65,6 +66,8 @@ for s in ${STEPS:-$all_steps generate}; do
                          --dtype "$dt16" ;;
     rmsnorm) step rmsnorm 100 bench_rmsnorm --rows 4096,16384 --rounds 2 \
                --dtype float16,bfloat16 ;;
+    rmsnorm_bwd) step rmsnorm_bwd 150 bench_rmsnorm_bwd \
+                   --shapes 4096x4096,16384x4096,8192x8192 --rounds 2 --dtype bfloat16 ;;
     fp8) step fp8_1 200 bench_fp8 --kernels ffn,qkv,lola --rows 1 --dtype "$dt"
          step fp8_4096 300 bench_fp8 --kernels ffn,qkv --rows 4096 --no-graph --dtype "$dt" ;;
     generate) echo "=== generate"; timeout -s INT 3600 python3 -m benchmarks.bench_generate \
@@ -76,6 +79,6 @@ for s in ${STEPS:-$all_steps generate}; do
     compile_ahead) step compile_ahead 600 bench_compile_ahead --mode search --trials 16 \
                      --time-cap 60 ;;
     *) echo "unknown step $s (valid: decode decode_fp8 ffn qkv lola linear rope rope_bwd" \
-         "swiglu swiglu_bwd rmsnorm fp8 generate devices compile_ahead)"; exit 2 ;;
+         "swiglu swiglu_bwd rmsnorm rmsnorm_bwd fp8 generate devices compile_ahead)"; exit 2 ;;
   esac
 done

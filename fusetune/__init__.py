@@ -1,6 +1,7 @@
 """fusetune: fused Triton kernels for LLM inference, launched with configs tuned offline.
 
     y = fusetune.rmsnorm(x, weight)          # config looked up for this GPU, shape and dtype
+    norm = fusetune.nn.RMSNorm(4096, eps=1e-5)   # a trainable module (rmsnorm + rmsnorm_bwd)
     fusetune.load_tables("tables.yaml")      # tables from `fusetune export` (or FUSETUNE_TABLES)
     fusetune.lookup("rmsnorm", {"dim": 4096}, "float16", rows=16)
     w1q, s1 = fusetune.quantize_fp8(w1)      # FP8 weights + per-channel scales, once per model
@@ -16,10 +17,12 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = ["FusetuneWarning", "TableError", "ffn", "linear", "load_tables", "lola", "lookup",
-           "patch", "qkv", "quantize_fp8", "resolve", "rmsnorm", "rope", "swiglu", "unpatch"]
+           "nn", "patch", "qkv", "quantize_fp8", "resolve", "rmsnorm", "rmsnorm_bwd", "rope",
+           "swiglu", "unpatch"]
 
 _LAZY = {
     "rmsnorm": ("fusetune.kernels.rmsnorm", "rmsnorm"),
+    "rmsnorm_bwd": ("fusetune.kernels.rmsnorm_bwd", "rmsnorm_bwd"),
     "ffn": ("fusetune.kernels.ffn", "ffn"),
     "lola": ("fusetune.kernels.lola", "lola"),
     "linear": ("fusetune.kernels.linear", "linear"),
@@ -34,15 +37,18 @@ _LAZY = {
     "FusetuneWarning": ("fusetune.tables", "FusetuneWarning"),
     "patch": ("fusetune.integrations.hf", "patch"),
     "unpatch": ("fusetune.integrations.hf", "unpatch"),
+    "nn": ("fusetune.nn", ""),  # the module itself
 }
 
 if TYPE_CHECKING:
+    from fusetune import nn
     from fusetune.kernels.ffn import ffn
     from fusetune.kernels.fp8 import quantize_fp8
     from fusetune.kernels.linear import linear
     from fusetune.kernels.lola import lola
     from fusetune.kernels.qkv import qkv
     from fusetune.kernels.rmsnorm import rmsnorm
+    from fusetune.kernels.rmsnorm_bwd import rmsnorm_bwd
     from fusetune.kernels.rope import rope
     from fusetune.kernels.swiglu import swiglu
     from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup, resolve
@@ -54,7 +60,9 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
+        value = importlib.import_module(module)
+        if attr:
+            value = getattr(value, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'fusetune' has no attribute {name!r}")

@@ -87,9 +87,10 @@ class PointArgs:
 
 _OPTIONS = (
     click.option("--kernel", "-k", required=True,
-                 help="Kernel to tune (rmsnorm, rope, qkv, ffn, lola, linear), or `all`: every "
-                      "kernel that fusetune.patch launches in --model (qkv, ffn, linear for "
-                      "o_proj and down_proj, rmsnorm), at its decode and prefill rows."),
+                 help="Kernel to tune (rmsnorm, rmsnorm_bwd, rope, qkv, ffn, lola, linear), or "
+                      "`all`: every kernel that fusetune.patch launches in --model (qkv, ffn, "
+                      "linear for o_proj and down_proj, rmsnorm), at its decode and prefill "
+                      "rows."),
     click.option("--gpu", "gpu_name", default=None,
                  help="GPU the tables are for (3090, h100, a100-80gb; see `fusetune gpus`). Must "
                       "be a visible device when configs run. Default: the first visible GPU."),

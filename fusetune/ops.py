@@ -10,6 +10,9 @@ Called eagerly, the functions here go straight to the launchers: the custom-op d
 would add its own CPU time to every call, and at decode sizes a launch's CPU time is already
 more than its GPU time.
 
+rmsnorm is differentiable: its op's backward is the `fusetune::rmsnorm_bwd` op (the rmsnorm_bwd
+kernel), so a compiled training step keeps both as graph nodes. The other ops have no backward.
+
     from fusetune import ops
     y = ops.rmsnorm(x, weight, eps)
     q, k, v = ops.qkv(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim)
@@ -29,6 +32,7 @@ from fusetune.kernels import ffn as _ffn
 from fusetune.kernels import linear as _linear
 from fusetune.kernels import qkv as _qkv
 from fusetune.kernels import rmsnorm as _rmsnorm
+from fusetune.kernels import rmsnorm_bwd as _rmsnorm_bwd
 
 _lowered = False
 
@@ -73,8 +77,43 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("fusetune::rmsnorm_bwd", mutates_args=())
+def _rmsnorm_bwd_op(x: Tensor, weight: Tensor, dy: Tensor, eps: float, grad_x: bool,
+                    grad_weight: bool) -> tuple[Tensor, Tensor]:
+    with torch.no_grad():  # x and weight are the forward's, which may require grad
+        dx, dw = _rmsnorm_bwd.rmsnorm_bwd(x, weight, dy, eps=eps, grad_x=grad_x,
+                                          grad_weight=grad_weight)
+    # An op returns tensors: a gradient not asked for comes back empty.
+    return (x.new_empty(0) if dx is None else dx), (weight.new_empty(0) if dw is None else dw)
+
+
+@_rmsnorm_bwd_op.register_fake
+def _(x: Tensor, weight: Tensor, dy: Tensor, eps: float, grad_x: bool, grad_weight: bool
+      ) -> tuple[Tensor, Tensor]:
+    return (x.new_empty(x.shape if grad_x else (0,)),
+            weight.new_empty(weight.shape if grad_weight else (0,)))
+
+
+def _rmsnorm_setup_context(ctx: torch.autograd.function.FunctionCtx,
+                           inputs: tuple[Tensor, Tensor, float], output: Tensor) -> None:
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rmsnorm_backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor
+                      ) -> tuple[Tensor | None, Tensor | None, None]:
+    x, weight = ctx.saved_tensors
+    grad_x, grad_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = _rmsnorm_bwd_op(x, weight, dy, ctx.eps, grad_x, grad_weight)
+    return (dx if grad_x else None), (dw if grad_weight else None), None
+
+
+_rmsnorm_op.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup_context)
+
+
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """fusetune.rmsnorm(x, weight, eps=eps), traceable by torch.compile."""
+    """fusetune.rmsnorm(x, weight, eps=eps), traceable by torch.compile; differentiable."""
     if torch.compiler.is_compiling():
         return _rmsnorm_op(x, weight, eps)
     return _rmsnorm.rmsnorm(x, weight, eps=eps)

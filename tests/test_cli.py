@@ -135,7 +135,9 @@ def test_gpu_without_dry_run_and_no_gpu(monkeypatch: pytest.MonkeyPatch, interpr
     ("args", "expected"),
     [
         (["search", "--kernel", "layernorm", "--dry-run"],
-         ["unknown kernel 'layernorm'", "valid: ffn, linear, lola, qkv, rmsnorm, rope"]),
+         ["unknown kernel 'layernorm'",
+          "valid: ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, rope, rope_bwd, swiglu, "
+          "swiglu_bwd"]),
         (["search", "--kernel", "rmsnorm", "--gpu", "v100", "--dry-run"],
          ["unknown GPU 'v100'", "rtx-3090", "h100-sxm", "h200"]),
         (["search", "--kernel", "rmsnorm", "--dry-run", "--dtype", "float64"],
@@ -522,6 +524,7 @@ def test_runtime_import_does_not_load_optuna_or_sqlalchemy(tmp_path: Path) -> No
     ("ffn", {"dim": 64, "hidden": 48}),
     ("lola", {"dim": 64, "out": 40}),
     ("qkv", {"dim": 32, "head_dim": 8, "interleaved": 1, "n_heads": 4, "n_kv_heads": 2}),
+    ("rmsnorm_bwd", {"dim": 96}),
 ])
 def test_kernel_search_export_lookup(kernel: str, dims: dict[str, int], sqlite_url: str,
                                      tmp_path: Path, fresh_tables: None) -> None:
@@ -550,8 +553,8 @@ def test_kernel_search_export_lookup(kernel: str, dims: dict[str, int], sqlite_u
         fusetune.lookup(kernel, other, "float16", rows=6, gpu="interpreter")
 
 
-@pytest.mark.parametrize("kernel", ["rmsnorm", "rope", "rope_bwd", "swiglu", "swiglu_bwd",
-                                    "qkv", "ffn", "lola"])
+@pytest.mark.parametrize("kernel", ["rmsnorm", "rmsnorm_bwd", "rope", "rope_bwd", "swiglu",
+                                    "swiglu_bwd", "qkv", "ffn", "lola"])
 def test_every_kernel_plans_with_defaults(kernel: str) -> None:
     # The default grid (llama-2-7b dims) for the named GPU, and the interpreter's small grid
     # (the "tiny" preset) that a machine without a GPU falls back to.

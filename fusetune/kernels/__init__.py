@@ -7,6 +7,7 @@ from fusetune.kernels import linear as _linear
 from fusetune.kernels import lola as _lola
 from fusetune.kernels import qkv as _qkv
 from fusetune.kernels import rmsnorm as _rmsnorm
+from fusetune.kernels import rmsnorm_bwd as _rmsnorm_bwd
 from fusetune.kernels import rope as _rope
 from fusetune.kernels import rope_bwd as _rope_bwd
 from fusetune.kernels import swiglu as _swiglu
@@ -15,6 +16,7 @@ from fusetune.kernels._spec import KernelSpec
 
 REGISTRY: dict[str, KernelSpec] = {
     _rmsnorm.SPEC.name: _rmsnorm.SPEC,
+    _rmsnorm_bwd.SPEC.name: _rmsnorm_bwd.SPEC,
     _ffn.SPEC.name: _ffn.SPEC,
     _lola.SPEC.name: _lola.SPEC,
     _qkv.SPEC.name: _qkv.SPEC,

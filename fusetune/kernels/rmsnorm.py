@@ -1,5 +1,8 @@
 """RMSNorm: y = x · rsqrt(mean(x²) + eps) · weight, computed in float32.
 
+Differentiable: with gradients enabled and x or weight requiring grad, `rmsnorm` runs through
+an autograd Function whose backward is the rmsnorm_bwd kernel (fusetune/kernels/rmsnorm_bwd.py).
+
 Tunables (all data, see search_spaces/rmsnorm.yaml): BLOCK_D (columns a program holds at once;
 when it is smaller than D the kernel loops over the row twice), ROWS (rows per program),
 num_warps, num_stages (software pipelining depth of the loads in the looping variant).
@@ -28,11 +31,11 @@ from fusetune.kernels._spec import (
     cdiv,
     check_device,
     check_eps,
-    check_no_grad,
     dtype_name,
     next_pow2,
     torch_dtype,
 )
+from fusetune.kernels.rmsnorm_bwd import rmsnorm_bwd
 from fusetune.models import ModelPreset
 
 
@@ -117,6 +120,10 @@ def rmsnorm(
 
     The launch configuration comes from the lookup tables for this GPU and shape, unless
     `config` (BLOCK_D, ROWS, num_warps, num_stages) is given.
+
+    With gradients enabled and x or weight requiring grad, the call is differentiable: the
+    backward pass launches the rmsnorm_bwd kernel with the config the tables give for it
+    (`config` applies to the forward only) and computes only the gradients asked for.
     """
     memo_key = None
     if _MEMO.active(config):
@@ -133,7 +140,9 @@ def rmsnorm(
         raise ValueError(f"rmsnorm: weight is on {weight.device}, x on {x.device}")
     check_device(x, "rmsnorm")
     check_eps("rmsnorm", eps)
-    check_no_grad("rmsnorm", x, weight)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        # Autograd records the call; its forward comes back here with gradients off.
+        return _RMSNormFunction.apply(x, weight, eps, config)
     dtype = dtype_name(x.dtype)
     dtype_name(weight.dtype)  # raises for weight dtypes the kernel cannot read
     if config is None:
@@ -157,6 +166,31 @@ def _run(x: torch.Tensor, weight: torch.Tensor, eps: float, cfg: Config) -> torc
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_2d(as_rows(x, d), weight.contiguous(), y.view(-1, d), float(eps), cfg)
     return y
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """fusetune.rmsnorm under autograd: saves x and weight (rstd is recomputed from x in the
+    backward, which is cheaper than storing it) and launches rmsnorm_bwd for the gradients."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,
+                weight: torch.Tensor, eps: float, config: Mapping[str, int] | None
+                ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rmsnorm(x, weight, eps=eps, config=config)  # gradients are off in here
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        if torch.is_grad_enabled():  # create_graph=True: autograd would record this backward
+            raise RuntimeError(
+                "rmsnorm: no double backward: a gradient was asked for with create_graph=True, "
+                "but the rmsnorm_bwd kernel has no backward pass of its own")
+        x, weight = ctx.saved_tensors
+        dx, dw = rmsnorm_bwd(x, weight, dy, eps=ctx.eps, grad_x=ctx.needs_input_grad[0],
+                             grad_weight=ctx.needs_input_grad[1])
+        return dx, dw, None, None
 
 
 def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

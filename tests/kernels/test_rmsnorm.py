@@ -253,7 +253,9 @@ def test_cuda_looping_bf16(config: dict[str, int]) -> None:
 def test_registry() -> None:
     assert REGISTRY["rmsnorm"] is SPEC
     assert get_spec("rmsnorm") is SPEC
-    with pytest.raises(ValueError, match="valid: ffn, linear, lola, qkv, rmsnorm, rope"):
+    with pytest.raises(ValueError,
+                       match="valid: ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, rope, "
+                             "rope_bwd, swiglu"):
         get_spec("layernorm")
 
 
