@@ -24,7 +24,7 @@ import torch
 
 import fusetune
 from benchmarks.bench_rmsnorm import eager_rmsnorm
-from benchmarks.timing import heading, parser, report, run, start
+from benchmarks.timing import heading, keep_saved_tensors, parser, report, run, start
 from fusetune.kernels._spec import Point
 from fusetune.kernels.rmsnorm_bwd import SPEC
 
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpu is None:
         return 2
     liger = liger_rmsnorm()
+    keep_saved_tensors()
     compiled = torch.compile(lambda a, b: eager_rmsnorm(a, b, EPS))
     head = heading(gpu, "dx and dweight; (TB/s) beside each time, counting x and dy read and "
                         "dx written", graphs=not args.no_graph)

@@ -26,24 +26,13 @@ import torch
 
 import fusetune
 from benchmarks.bench_rope import hf_rope, llama_rope, tables_for
-from benchmarks.timing import PLAIN, heading, parser, report, run, start
+from benchmarks.timing import PLAIN, heading, keep_saved_tensors, parser, report, run, start
 from fusetune.kernels._spec import Point
 from fusetune.kernels.rope_bwd import SPEC, rope_bwd
 
 FLOOR_TBS = 3.0
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "copy")
 AUTOGRAD = frozenset({"eager", "compile", "liger"})  # backwards of a retained autograd graph
-
-
-def keep_saved_tensors() -> None:
-    """torch.compile's backward frees what it saved from the forward ("donated buffers") and
-    then refuses retain_graph=True; the timing reruns one backward, so keep them."""
-    try:
-        import torch._functorch.config as functorch_config
-
-        functorch_config.donated_buffer = False
-    except (ImportError, AttributeError):  # a torch without donated buffers
-        pass
 
 
 def backward_of(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,

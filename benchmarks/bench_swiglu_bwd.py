@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 import fusetune
-from benchmarks.bench_rope_bwd import AUTOGRAD, keep_saved_tensors
+from benchmarks.bench_rope_bwd import AUTOGRAD
 from benchmarks.bench_swiglu import IMPLS, copy_of, eager_swiglu, gate_inputs, table
-from benchmarks.timing import PLAIN, heading, parser, report, run, start
+from benchmarks.timing import PLAIN, heading, keep_saved_tensors, parser, report, run, start
 from fusetune.kernels._spec import Point
 from fusetune.kernels.swiglu_bwd import SPEC, swiglu_bwd
 

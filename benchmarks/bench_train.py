@@ -62,7 +62,7 @@ def layer_step(model: Any, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], No
         for p in params:
             p.grad = None
         out = model(inputs_embeds=x).last_hidden_state
-        out.backward(dy)
+        out.backward(dy.clone())  # Liger's RMSNorm backward overwrites its output gradient
 
     return step
 
@@ -205,7 +205,7 @@ def op_cases(args: argparse.Namespace, impls: list[str]) -> list[str]:
                      leaves: list[torch.Tensor] = leaves) -> None:
                 for t in leaves:
                     t.grad = None
-                fn(*ins).backward(dy)
+                fn(*ins).backward(dy.clone())
 
             step()
             steps[impl] = step

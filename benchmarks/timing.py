@@ -217,3 +217,14 @@ def gemm_report(head: str, cases: Sequence[dict[str, Any]],
                     "tuned_config": case["tuned_cfg"], "default_config": case["default_cfg"],
                     "rel_err": case["rel_err"]})
     report(lines, raw, host, markdown, json_path)
+
+
+def keep_saved_tensors() -> None:
+    """torch.compile's backward frees what it saved from the forward ("donated buffers") and
+    then refuses retain_graph=True; the training benchmarks rerun one backward, so keep them."""
+    try:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.donated_buffer = False
+    except (ImportError, AttributeError):  # a torch without donated buffers
+        pass
