@@ -49,6 +49,10 @@ COMPILED = {id(FAKE_MAIN): FakeCompiledKernel("main", 96, 0, 49152),
 MODE7_STATS = (96, 8, 49152)
 
 
+# Triton's own JITFunction.run, as it was before this module replaced it
+TRITON_RUN = getattr(JITFunction.__dict__["run"], "triton_run", JITFunction.__dict__["run"])
+
+
 def _install() -> None:
     if getattr(JITFunction.__dict__["run"], "fake_jit", False):
         return  # installed already
@@ -62,6 +66,7 @@ def _install() -> None:
         return kernel
 
     run.fake_jit = True  # type: ignore[attr-defined]
+    run.triton_run = triton_run  # type: ignore[attr-defined]
     JITFunction.run = run
 
 
