@@ -87,7 +87,8 @@ class PointArgs:
 
 _OPTIONS = (
     click.option("--kernel", "-k", required=True,
-                 help="Kernel to tune (rmsnorm, rmsnorm_bwd, rope, qkv, ffn, lola, linear), or "
+                 help="Kernel to tune (rmsnorm, rope, qkv, ffn, lola, linear; for training "
+                      "rmsnorm_bwd, rope_bwd, swiglu, swiglu_bwd), or "
                       "`all`: every kernel that fusetune.patch launches in --model (qkv, ffn, "
                       "linear for o_proj and down_proj, rmsnorm), at its decode and prefill "
                       "rows."),
