@@ -42,8 +42,18 @@ class FakeJit(JITFunction):
         return self.kernel
 
 
+def genuine_triton_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's own JITFunction.run for the test: tests/fake_jit.py, imported wherever the
+    suite collects a test that uses it, wraps it for the whole process, and a wrapped run sends
+    every launch down Triton's path."""
+    fake_jit = sys.modules.get("fake_jit")
+    if fake_jit is not None:
+        monkeypatch.setattr(JITFunction, "run", fake_jit.TRITON_RUN)
+
+
 @pytest.fixture
 def launcher(monkeypatch: pytest.MonkeyPatch) -> Any:
+    genuine_triton_run(monkeypatch)
     fn = FakeJit(_body)
     fn.slow, fn.kernel = [], FakeKernel()
     launch = _direct.DirectLaunch(fn)
@@ -109,7 +119,7 @@ def test_other_arguments_and_observers_take_tritons_path(launcher: Any,
     monkeypatch.setattr(JITFunction, "run", observing_run)  # e.g. the tuner's launch watcher
     launcher[(1,)](x, x, 32, 1e-5, FLAG=True)
     assert len(launcher.fn.slow) == 4 and launcher.hits == 0
-    monkeypatch.undo()
+    monkeypatch.setattr(JITFunction, "run", real_run)  # the watcher gone
     launcher[(1,)](x, x, 32, 1e-5, FLAG=True)
     assert launcher.hits == 1
 
@@ -117,15 +127,6 @@ def test_other_arguments_and_observers_take_tritons_path(launcher: Any,
 def test_not_a_jit_function_is_launched_as_it_is() -> None:
     stand_in = object()
     assert _direct.direct(stand_in) is stand_in
-
-
-def genuine_triton_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton's own JITFunction.run for the test: tests/fake_jit.py, imported wherever the
-    suite collects a test that uses it, wraps it for the whole process, and a wrapped run sends
-    every launch down Triton's path."""
-    fake_jit = sys.modules.get("fake_jit")
-    if fake_jit is not None:
-        monkeypatch.setattr(JITFunction, "run", fake_jit.TRITON_RUN)
 
 
 @pytest.mark.gpu
