@@ -486,6 +486,10 @@ class Resolution:
 # or 4× in two) lend no config: another shape's tiles stop being a guess better than the
 # default heuristic's.
 NEARBY_DISTANCE = 4.0
+# A config lends itself to other dims only where no more than this further share of its tile
+# work is masked off there: tiles that divide one width and overhang another (a 2048-wide K
+# step over 5120 columns) ran slower than the default heuristic's.
+NEARBY_PADDING = 0.05
 
 
 def _distance(dims: tuple[tuple[str, int], ...], rows: int,
@@ -514,8 +518,13 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
     for _, r, other_dims, config, info in sorted(found, key=lambda f: (f[0], -f[1])):
         c = spec.canonical(config, point)
         res = spec.resources(c, point)
-        if not res.unfit and check_fits(res, gpu) is None:
-            return Resolution(c, "nearby", r, other_dims, info.speedup)
+        if res.unfit or check_fits(res, gpu) is not None:
+            continue
+        if spec.padding is not None:
+            source = Point.make(kernel, dict(other_dims), 1, r, dtype, weights, activations)
+            if spec.padding(c, point) > spec.padding(config, source) + NEARBY_PADDING:
+                continue  # its tiles fit the other dims, not these: more of them masked off
+        return Resolution(c, "nearby", r, other_dims, info.speedup)
     return None
 
 

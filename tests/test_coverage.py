@@ -80,6 +80,20 @@ def test_nearby_skips_configs_the_point_cannot_run(tmp_path: Path, fresh_tables:
     assert near.source == "nearby" and dict(near.dims) == {"dim": 4096, "hidden": 11008}
 
 
+def test_nearby_skips_tiles_that_overhang_the_point(tmp_path: Path, fresh_tables: None) -> None:
+    # A 2048-wide K step divides 4096 columns and overhangs 5120 (a sixth of its loop masked):
+    # no carry-over there, the default heuristic; 256-wide steps divide both, and carry.
+    wide_k = {**GEMV, "BLOCK_K": 2048}
+    fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 1, wide_k)]))
+    assert FFN.padding is not None
+    p = Point.make("ffn", {"dim": 5120, "hidden": 14336}, 1, 1, "bfloat16")
+    assert FFN.padding(FFN.canonical(FFN.validate_config(wide_k), p), p) == pytest.approx(1 / 6)
+    assert resolve(5120, 14336, 1).source == "default"
+    assert resolve(3072 + 1024, 12288, 1).source == "nearby"  # 4096 wide: nothing masked
+    fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 1, {**GEMV, "BLOCK_K": 256})]))
+    assert resolve(5120, 14336, 1).source == "nearby"
+
+
 def test_a_marginal_entry_answers_with_the_default(tmp_path: Path, fresh_tables: None) -> None:
     # An entry whose winner did not beat the default beyond the timings' spread: the lookup
     # runs the default heuristic there, and says so.

@@ -33,6 +33,7 @@ from fusetune.kernels._spec import (
     ConfigError,
     Point,
     Resources,
+    cdiv,
 )
 
 # The tunables every matmul kernel has (the YAML spaces and tables name exactly these), and
@@ -78,6 +79,17 @@ def matmul_canonical(config: Config, point: Point, n: int, k: int,
     c = collapse_tiles(config, point.rows, n, k)
     c = fp8.collapse_fp8_activations(c, point, k)
     return collapse_tma(c, point, k, kernel_has_tma=has_tma is None or has_tma(c))
+
+
+def matmul_padding(config: Config, point: Point, n: int, k: int) -> float:
+    """The share of a launch's weight tiles over [k, n] that is masked off: the n outputs and
+    the K loop (SPLIT_K slices of BLOCK_K steps) each rounded up to whole tiles. (The rows'
+    padding is the row rules' business: row_reach, GEMV_MAX_ROWS.)"""
+    def covered(size: int, block: int) -> float:
+        return size / (cdiv(size, block) * block) if size else 1.0
+
+    c = collapse_tiles(config, point.rows, n, k)
+    return 1.0 - covered(n, c["BLOCK_N"]) * covered(k, c["BLOCK_K"] * c["SPLIT_K"])
 
 
 def matmul_resources(config: Config, point: Point, *, n_weights: int, epilogue: bool,

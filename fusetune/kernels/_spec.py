@@ -173,6 +173,9 @@ class KernelSpec:
       activations round the inputs of every product: one looser bound for every config).
     - `row_reach`: a table entry tuned for R rows serves a lookup of r rows only where
       R < row_reach · r (None: any r <= R); see `runtime._covering`.
+    - `padding(config, point)`: the share of the config's tile work that is masked off at the
+      point (tiles rounded up past the matrix); the lookup carries a config to other dims only
+      where it does not grow (None: no such check).
     """
 
     name: str
@@ -199,6 +202,7 @@ class KernelSpec:
     activation_modes: tuple[str, ...] = ()
     activation_tolerance: Mapping[str, float] = field(default_factory=dict)
     row_reach: int | None = None
+    padding: Callable[[Config, Point], float] | None = None
 
     def point_weights(self, fmt: str, dtype: str) -> str:
         """Point.weights for weights in format `fmt` (one of WEIGHT_CHOICES) with `dtype`

@@ -45,6 +45,7 @@ from fusetune.kernels._matmul_spec import (
     launch_args,
     launch_split,
     matmul_canonical,
+    matmul_padding,
     matmul_resources,
     weight_bytes,
 )
@@ -325,6 +326,10 @@ def _dims_from_model(model: ModelPreset) -> dict[str, int]:
     return {"dim": model.dim, "hidden": model.hidden}
 
 
+
+def _padding(config: Config, point: Point) -> float:
+    return matmul_padding(config, point, point.dim["hidden"], point.dim["dim"])
+
 SPEC = KernelSpec(
     name="ffn",
     description="RMSNorm -> x·W1ᵀ, x·W3ᵀ in one pass over x -> silu(a)·b",
@@ -337,6 +342,7 @@ SPEC = KernelSpec(
     resources=_resources,
     cost=_cost,
     canonical=_canonical,
+    padding=_padding,
     dims_from_model=_dims_from_model,
     source_objects=(_ffn_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
                     _rmsnorm_kernel, *fp8.FP8_SOURCES),

@@ -61,6 +61,7 @@ from fusetune.kernels._matmul_spec import (
     launch_args,
     launch_split,
     matmul_canonical,
+    matmul_padding,
     matmul_resources,
     weight_bytes,
 )
@@ -422,6 +423,10 @@ def _dims_from_model(model: ModelPreset) -> dict[str, int]:
     return model_uses(model)["down_proj"]
 
 
+
+def _padding(config: Config, point: Point) -> float:
+    return matmul_padding(linear_config(config), point, point.dim["out"], point.dim["dim"])
+
 SPEC = KernelSpec(
     name="linear",
     description="x·Wᵀ (· FP8 channel scales) + bias + residual, fused epilogue",
@@ -434,6 +439,7 @@ SPEC = KernelSpec(
     resources=_resources,
     cost=_cost,
     canonical=_canonical,
+    padding=_padding,
     dims_from_model=_dims_from_model,
     source_objects=(_linear_kernel, grouped_tile, block_rows, k_slice, partial_ptrs, dot,
                     gemv_one_product, tma_one_product, mma_weight, scale_product, linear_config,

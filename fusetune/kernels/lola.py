@@ -48,6 +48,7 @@ from fusetune.kernels._matmul_spec import (
     launch_args,
     launch_split,
     matmul_canonical,
+    matmul_padding,
     matmul_resources,
     weight_bytes,
 )
@@ -433,6 +434,10 @@ def _dims_from_model(model: ModelPreset) -> dict[str, int]:
     return {"dim": model.dim, "out": model.hidden}
 
 
+
+def _padding(config: Config, point: Point) -> float:
+    return matmul_padding(config, point, point.dim["out"], point.dim["dim"])
+
 SPEC = KernelSpec(
     name="lola",
     description="LayerNorm (no affine) -> x·Wᵀ + b -> exact GELU",
@@ -445,6 +450,7 @@ SPEC = KernelSpec(
     resources=_resources,
     cost=_cost,
     canonical=_canonical,
+    padding=_padding,
     dims_from_model=_dims_from_model,
     source_objects=(_lola_kernel, _layernorm_kernel, row_norm_stats, grouped_tile, block_rows,
                     k_slice, partial_ptrs, dot, gemv_one_product, tma_one_product, mma_weight,

@@ -57,6 +57,7 @@ from fusetune.kernels._matmul_spec import (
     launch_args,
     launch_split,
     matmul_canonical,
+    matmul_padding,
     matmul_resources,
     weight_bytes,
 )
@@ -553,6 +554,10 @@ def _dims_from_model(model: ModelPreset) -> dict[str, int]:
             "n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}
 
 
+
+def _padding(config: Config, point: Point) -> float:
+    return matmul_padding(config, point, _pairs(point), point.dim["dim"])
+
 SPEC = KernelSpec(
     name="qkv",
     description="RMSNorm -> Q, K, V projections -> RoPE on q and k, one launch",
@@ -565,6 +570,7 @@ SPEC = KernelSpec(
     resources=_resources,
     cost=_cost,
     canonical=_canonical,
+    padding=_padding,
     dims_from_model=_dims_from_model,
     source_objects=(_qkv_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
                     _rmsnorm_kernel, *fp8.FP8_SOURCES),

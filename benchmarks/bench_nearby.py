@@ -1,0 +1,119 @@
+"""Shapes no table holds: the config the lookup gives them (carried over from the nearest tuned
+dims, `nearby`, or the default heuristic), the default heuristic itself, and the winner of a
+fresh search of the point, timed side by side on one GPU.
+
+For each held-out shape and row count: `fusetune.resolve` says where the lookup's config comes
+from (the shipped tables, or --tables); `fusetune search --trials N` tunes the point into a
+scratch database (--db) and `fusetune export` writes its winner; then the three configs are
+timed as the other benchmarks time kernels (do_bench of CUDA-graph replays, L2 flushed,
+interleaved rounds). Shapes: KERNEL:name=value,... separated by spaces, e.g.
+`ffn:dim=5120,hidden=13824` (Llama-2-13B's and Qwen2.5-14B's feed-forward).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from benchmarks.timing import heading, parser, run, start
+from fusetune.kernels import get_spec
+from fusetune.kernels._spec import Point
+
+IMPLS = ("lookup", "default", "search")
+# Held-out shapes: dims of models no shipped table holds.
+SHAPES = ("ffn:dim=5120,hidden=13824 ffn:dim=3072,hidden=8192 ffn:dim=3584,hidden=14336 "
+          "ffn:dim=5120,hidden=14336 ffn:dim=3584,hidden=18944 "
+          "qkv:dim=5120,head_dim=128,interleaved=0,n_heads=40,n_kv_heads=8 "
+          "qkv:dim=3072,head_dim=96,interleaved=0,n_heads=32,n_kv_heads=32 "
+          "qkv:dim=3584,head_dim=256,interleaved=0,n_heads=16,n_kv_heads=8")
+
+
+def parse_shape(text: str) -> tuple[str, dict[str, int]]:
+    kernel, _, dims = text.partition(":")
+    return kernel, {k: int(v) for k, v in (kv.split("=") for kv in dims.split(","))}
+
+
+def searched(kernel: str, dims: dict[str, int], rows: int, dtype: str, trials: int,
+             db: str) -> dict[str, int]:
+    """The winner of a fresh `fusetune search` of the point (a subprocess, as a user runs it)."""
+    dims_arg = ",".join(f"{k}={v}" for k, v in dims.items())
+    subprocess.run([sys.executable, "-m", "fusetune.cli", "search", "--kernel", kernel,
+                    "--dims", dims_arg, "--batch", str(rows), "--seq", "1", "--dtype", dtype,
+                    "--trials", str(trials), "--db", db, "--compile-workers", "8"],
+                   check=True, stdout=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory() as tmp:
+        table = Path(tmp) / "winners.yaml"
+        subprocess.run([sys.executable, "-m", "fusetune.cli", "export", str(table), "--db", db,
+                        "--kernel", kernel], check=True, stdout=subprocess.DEVNULL)
+        data = yaml.safe_load(table.read_text())
+    for entries in data["gpus"].values():
+        for e in entries.get(kernel, []):
+            if e["dims"] == dims and e["batch"] * e["seq"] == rows and e["dtype"] == dtype:
+                return dict(e["config"])
+    raise RuntimeError(f"no winner for {kernel} {dims_arg} at {rows} rows in {db}")
+
+
+def make_case(kernel: str, dims: dict[str, int], rows: int, dtype: str, gpu: Any,
+              trials: int, db: str) -> dict[str, Any]:
+    import fusetune
+
+    spec = get_spec(kernel)
+    point = Point.make(kernel, dims, rows, 1, dtype)
+    resolution = fusetune.resolve(kernel, dims, dtype, rows=rows, warn=False)
+    configs = {"lookup": resolution.config,
+               "default": spec.canonical(spec.default_config(point, gpu), point),
+               "search": searched(kernel, dims, rows, dtype, trials, db) if trials else None}
+    inputs = spec.make_inputs(point, "cuda")
+    outputs = spec.make_outputs(inputs)
+
+    def launch(config: dict[str, int]) -> Any:
+        return lambda: spec.launch(inputs, outputs, config)
+
+    return {"name": f"{kernel} {','.join(f'{k}={v}' for k, v in dims.items())}, {rows} rows",
+            "source": resolution.source, "configs": configs,
+            "fns": {k: None if c is None else launch(c) for k, c in configs.items()}}
+
+
+def main() -> int:
+    ap = parser(__doc__ or "", IMPLS)
+    ap.add_argument("--shapes", default=SHAPES, help="KERNEL:name=value,... separated by spaces")
+    ap.add_argument("--rows", default="1", help="row counts, comma-separated")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--trials", type=int, default=40, help="trials of the fresh search (0: none)")
+    ap.add_argument("--db", default="sqlite:///nearby.db", help="the fresh searches' database")
+    args = ap.parse_args()
+    gpu = start(args)
+    if gpu is None:
+        return 2
+    cases = [make_case(k, d, r, args.dtype, gpu, args.trials, args.db)
+             for k, d in map(parse_shape, args.shapes.split())
+             for r in (int(x) for x in args.rows.split(","))]
+    medians, _ = run(args, cases)
+    print(heading(gpu, f"{args.dtype}; lookup: the config fusetune.resolve gives (its source), "
+                       f"search: a fresh {args.trials}-trial search's winner"))
+    print("| point | lookup source | lookup µs | default µs | search µs | lookup / search | "
+          "lookup / default |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for case, m in zip(cases, medians, strict=True):
+        look, default, search = m.get("lookup"), m.get("default"), m.get("search")
+
+        def ratio(a: float | None, b: float | None) -> str:
+            return "–" if a is None or b is None else f"{a / b:.2f}"
+
+        def us(v: float | None) -> str:
+            return "–" if v is None else f"{v:.1f}"
+
+        print(f"| {case['name']} | {case['source']} | {us(look)} | {us(default)} | "
+              f"{us(search)} | {ratio(look, search)} | {ratio(look, default)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sys.exit(main())
