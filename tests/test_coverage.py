@@ -12,7 +12,7 @@ import yaml
 from click.testing import CliRunner
 
 import fusetune
-from fusetune import cli, gpus
+from fusetune import cli, gpus, runtime
 from fusetune.kernels import get_spec
 from fusetune.kernels._spec import Point, check_fits
 from fusetune.runtime import NEARBY_DISTANCE
@@ -80,9 +80,11 @@ def test_nearby_skips_configs_the_point_cannot_run(tmp_path: Path, fresh_tables:
     assert near.source == "nearby" and dict(near.dims) == {"dim": 4096, "hidden": 11008}
 
 
-def test_nearby_skips_tiles_that_overhang_the_point(tmp_path: Path, fresh_tables: None) -> None:
+def test_nearby_skips_tiles_that_overhang_the_point(tmp_path: Path, fresh_tables: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # A 2048-wide K step divides 4096 columns and overhangs 5120 (a sixth of its loop masked):
     # no carry-over there, the default heuristic; 256-wide steps divide both, and carry.
+    monkeypatch.setattr(runtime, "_shipped", runtime.Tables())  # this table's entries only
     wide_k = {**GEMV, "BLOCK_K": 2048}
     fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 1, wide_k)]))
     assert FFN.padding is not None
