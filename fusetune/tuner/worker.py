@@ -70,6 +70,10 @@ def _serve(conn: Connection, spec_ref: str, backend: str, device: str) -> None:
             return
 
 
+# Seconds a worker may take to start and load a point, whatever the trial timeout.
+LOAD_TIMEOUT_S = 120.0
+
+
 def _death(proc: mp.process.BaseProcess) -> str:
     code = proc.exitcode
     if code is None:
@@ -101,6 +105,13 @@ class Worker:
         self._conn: Connection | None = None
         self._point: tuple[Point, int] | None = None
 
+    @property
+    def _load_timeout_s(self) -> float:
+        # Starting the process (importing torch and Triton, creating the CUDA context) and
+        # building a point's inputs and reference are no config's doing: a short trial timeout
+        # would fail them on a loaded or cold machine.
+        return max(self.timeout_s, LOAD_TIMEOUT_S)
+
     # -- process management --------------------------------------------------------------------
 
     def _check_cancel(self) -> None:
@@ -117,7 +128,7 @@ class Worker:
         child.close()
         self._proc, self._conn = proc, parent
         if self._point is not None:
-            reply = self._call(("point", *self._point), self.timeout_s)
+            reply = self._call(("point", *self._point), self._load_timeout_s)
             if reply is None or reply[0] != "ready":
                 raise RuntimeError(f"the benchmark worker could not load {self._point[0].label}: "
                                    f"{self._last_death}")
@@ -176,7 +187,7 @@ class Worker:
         if self._proc is None:
             self._start()
         else:
-            reply = self._call(("point", point, seed), self.timeout_s)
+            reply = self._call(("point", point, seed), self._load_timeout_s)
             if reply is None:
                 self._restart()
 
