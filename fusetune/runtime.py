@@ -616,6 +616,18 @@ def _check_dims(spec: KernelSpec, dims: Mapping[str, int]) -> None:
             raise ValueError(f"{spec.name}: dims.{k}={v!r} must be a non-negative integer")
 
 
+def _query(spec: KernelSpec, dims: Mapping[str, int], dtype: str, rows: int, weights: str,
+           activations: str) -> tuple[tuple[tuple[str, int], ...], str]:
+    """A caller's lookup question checked (ValueError naming the bad value): the dims as the
+    tables key them and the activation mode of these weights."""
+    if rows < 0:
+        raise ValueError(f"rows={rows} must be >= 0")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    _check_dims(spec, dims)
+    return tuple(sorted(dims.items())), spec.point_activations(activations, weights)
+
+
 def resolve(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,
             weights: str = "", activations: str = "", gpu: str | None = None,
             device: Any = None, warn: bool = True) -> Resolution:
@@ -625,13 +637,7 @@ def resolve(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,
     `gpu` names a catalogue GPU ("h100", "3090", "interpreter"); by default the GPU of
     `device` (or the current CUDA device; the interpreter when there is none).
     """
-    if rows < 0:
-        raise ValueError(f"rows={rows} must be >= 0")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    _check_dims(spec, dims)
-    activations = spec.point_activations(activations, weights)
-    dims_t = tuple(sorted(dims.items()))
+    dims_t, activations = _query(spec, dims, dtype, rows, weights, activations)
     if gpu is not None:
         from fusetune import gpus
 
@@ -651,13 +657,7 @@ def lookup(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,
     `gpu` names a catalogue GPU ("h100", "3090", "interpreter"); by default the GPU of
     `device` (or the current CUDA device; the interpreter when there is none).
     """
-    if rows < 0:
-        raise ValueError(f"rows={rows} must be >= 0")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    _check_dims(spec, dims)
-    activations = spec.point_activations(activations, weights)
-    dims_t = tuple(sorted(dims.items()))
+    dims_t, activations = _query(spec, dims, dtype, rows, weights, activations)
     if gpu is not None:
         from fusetune import gpus
 
