@@ -102,25 +102,12 @@ def _liger_fn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Callable
     return lambda: LigerRopeFunction.apply(q, k, cos, sin)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, IMPLS)
-    ap.add_argument("--shapes", default="1x4096x32x128,8x4096x32x128",
-                    help="BxSxHxD shapes, comma-separated")
-    ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--layouts", default="interleaved,half")
-    args = ap.parse_args(argv)
-    gpu = start(args)
-    if gpu is None:
-        return 2
-    compiled = {"llama": torch.compile(llama_rope), "hf": torch.compile(hf_rope)}
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    cases = [make_case(shape, layout == "interleaved", dt, gpu, compiled)
-             for dt in args.dtype.split(",") for layout in args.layouts.split(",")
-             for shape in shapes]
-    medians, host = run(args, cases)
-    head = heading(gpu, "RoPE; (TB/s) beside each time", graphs=not args.no_graph)
+def table(head: str, cases: list[dict[str, Any]], medians: list[dict[str, float | None]],
+          liger_label: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """The markdown lines and raw rows of a RoPE side-by-side table (forward or backward: the
+    same columns; Liger's column times q and k together, so its rate counts twice the bytes)."""
     cols = ["layout", "dtype", "B×S×H×D", "MB moved", "floor µs", "tuned", "default", "eager",
-            "compile", "liger (q+k)", "copy", "tuned/copy BW", "tuned BLOCK_T/BLOCK_H/warps"]
+            "compile", liger_label, "copy", "tuned/copy BW", "tuned BLOCK_T/BLOCK_H/warps"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     raw = []
     for case, t in zip(cases, medians, strict=True):
@@ -142,6 +129,27 @@ def main(argv: list[str] | None = None) -> int:
         raw.append({"layout": layout, "dtype": case["dtype"], "shape": case["shape"],
                     "bytes": nb, "us": t, "tuned_config": case["tuned_cfg"],
                     "default_config": case["default_cfg"], "rel_err": case["rel_err"]})
+    return lines, raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, IMPLS)
+    ap.add_argument("--shapes", default="1x4096x32x128,8x4096x32x128",
+                    help="BxSxHxD shapes, comma-separated")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--layouts", default="interleaved,half")
+    args = ap.parse_args(argv)
+    gpu = start(args)
+    if gpu is None:
+        return 2
+    compiled = {"llama": torch.compile(llama_rope), "hf": torch.compile(hf_rope)}
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    cases = [make_case(shape, layout == "interleaved", dt, gpu, compiled)
+             for dt in args.dtype.split(",") for layout in args.layouts.split(",")
+             for shape in shapes]
+    medians, host = run(args, cases)
+    head = heading(gpu, "RoPE; (TB/s) beside each time", graphs=not args.no_graph)
+    lines, raw = table(head, cases, medians, "liger (q+k)")
     report(lines, raw, host, args.markdown, args.json)
     return 0
 

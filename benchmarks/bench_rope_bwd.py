@@ -25,12 +25,11 @@ from typing import Any
 import torch
 
 import fusetune
-from benchmarks.bench_rope import hf_rope, llama_rope, tables_for
+from benchmarks.bench_rope import hf_rope, llama_rope, table, tables_for
 from benchmarks.timing import PLAIN, heading, keep_saved_tensors, parser, report, run, start
 from fusetune.kernels._spec import Point
 from fusetune.kernels.rope_bwd import SPEC, rope_bwd
 
-FLOOR_TBS = 3.0
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "copy")
 AUTOGRAD = frozenset({"eager", "compile", "liger"})  # backwards of a retained autograd graph
 
@@ -126,29 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     medians, host = run(args, cases, plain=PLAIN | AUTOGRAD)
     head = heading(gpu, "RoPE backward (dx from dy); (TB/s) beside each time; eager, compile "
                    "and liger: autograd backwards, plain calls", graphs=not args.no_graph)
-    cols = ["layout", "dtype", "B×S×H×D", "MB moved", "floor µs", "tuned", "default", "eager",
-            "compile", "liger (dq+dk)", "copy", "tuned/copy BW", "tuned BLOCK_T/BLOCK_H/warps"]
-    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    raw = []
-    for case, t in zip(cases, medians, strict=True):
-        nb = case["bytes"]
-
-        def cell(k: str, t: dict[str, float | None] = t, nb: int = nb) -> str:
-            v = t[k]
-            if v is None:
-                return "-"
-            b = 2 * nb if k == "liger" else nb
-            return f"{v:.1f} ({b / v / 1e6:.2f})"
-
-        ratio = t["copy"] / t["tuned"] if t["tuned"] and t["copy"] else float("nan")
-        cfg = "/".join(str(case["tuned_cfg"][k]) for k in SPEC.config_keys)
-        layout = "interleaved" if case["interleaved"] else "half-split"
-        lines.append(f"| {layout} | {case['dtype']} | {'×'.join(map(str, case['shape']))} | "
-                     f"{nb / 1e6:.0f} | {nb / (FLOOR_TBS * 1e6):.1f} | "
-                     + " | ".join(cell(k) for k in IMPLS) + f" | {100 * ratio:.0f}% | {cfg} |")
-        raw.append({"layout": layout, "dtype": case["dtype"], "shape": case["shape"],
-                    "bytes": nb, "us": t, "tuned_config": case["tuned_cfg"],
-                    "default_config": case["default_cfg"], "rel_err": case["rel_err"]})
+    lines, raw = table(head, cases, medians, "liger (dq+dk)")
     report(lines, raw, host, args.markdown, args.json)
     return 0
 
