@@ -53,7 +53,7 @@ class DirectLaunch:
         self.names: list[str] = list(getattr(fn, "arg_names", ()))
         self.defaults = {p.name: p.default for p in getattr(fn, "params", ())
                          if getattr(p, "has_default", False)}
-        self.kernels: dict[tuple[Any, ...], tuple[Any, tuple[tuple[str, Any], ...]]] = {}
+        self.kernels: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}  # kernel, tail
         self._driver = driver
         self._knobs = knobs
         self.hits = 0  # calls that took the short path (for tests)

@@ -179,8 +179,7 @@ def check_tables(cos: torch.Tensor, sin: torch.Tensor, batch: int, seq: int, hea
     serves the whole batch) and returned 3-D with unit column stride."""
     tables = []
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.ndim == 2:
-            t = t.unsqueeze(0)
+        t = t.unsqueeze(0) if t.ndim == 2 else t
         if (t.ndim != 3 or t.shape[0] not in (1, batch) or t.shape[1] != seq
                 or t.shape[2] not in (head_dim, head_dim // 2)):
             raise ValueError(f"{kernel}: {name} has shape {tuple(t.shape)}; expected [{batch} or "
@@ -189,11 +188,22 @@ def check_tables(cos: torch.Tensor, sin: torch.Tensor, batch: int, seq: int, hea
         if t.device != device:
             raise ValueError(f"{kernel}: {name} is on {t.device}, x on {device}")
         dtype_name(t.dtype)  # raises for a dtype the kernel cannot read
-        tables.append(t if t.stride(-1) == 1 else t.contiguous())
+        tables.append(t)
     if tables[0].shape != tables[1].shape:
         raise ValueError(f"{kernel}: cos has shape {tuple(cos.shape)} and sin "
                          f"{tuple(sin.shape)}; they must match")
-    return tables[0], tables[1]
+    return as_tables(tables[0], tables[1])
+
+
+def as_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked cos and sin as the kernels read them: 3-D (a [seq, ...] table gains the batch
+    dim), unit column stride. What check_tables returns; alone, for a caller that checked these
+    tables' metadata before (a launcher's memo)."""
+    out = []
+    for t in (cos, sin):
+        t = t.unsqueeze(0) if t.ndim == 2 else t
+        out.append(t if t.stride(-1) == 1 else t.contiguous())
+    return out[0], out[1]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,

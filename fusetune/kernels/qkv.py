@@ -61,7 +61,7 @@ from fusetune.kernels._matmul_spec import (
     matmul_resources,
     weight_bytes,
 )
-from fusetune.kernels._rotary import check_tables, rotary_tables, rotated
+from fusetune.kernels._rotary import as_tables, check_tables, rotary_tables, rotated
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -427,8 +427,7 @@ def _run(x: torch.Tensor, rms_weight: torch.Tensor, wq: torch.Tensor, wk: torch.
         biases = tuple(torch.zeros(w.shape[0], dtype=x.dtype, device=x.device) if b is None
                        else b.contiguous() for w, b in zip((wq, wk, wv), given_biases,
                                                            strict=True))
-    cos, sin = (t.unsqueeze(0) if t.ndim == 2 else t for t in (cos, sin))
-    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    cos, sin = as_tables(cos, sin)
     ws = [w if w.stride(-1) == 1 else w.contiguous() for w in (wq, wk, wv)]
     x2 = x.reshape(bsz * seq, d)
     if x2.stride(-1) != 1:
