@@ -77,13 +77,12 @@ def partial_ptrs(WS, slot, rows, cols, n_rows, n_cols):
 
 
 @triton.jit
-def mma_weight(w, x, W_FP8: tl.constexpr):
-    """The weight tile w as loaded, made tl.dot's partner of the activation tile x. W_FP8 (the
-    values are fp8.W_*): 0: as loaded (x's type, or FP8 beside FP8 activations); 1: an FP8 type,
-    upcast; 2: e4m3 read as bytes; 3: e5m2 read as bytes. FP8 values are exact in float16 and
-    in x's type, so the product sees exactly the stored weights."""
+def fp8_as_f16(w, W_FP8: tl.constexpr):
+    """The FP8 weight tile w (W_FP8 = 1, 2, 3: the values are fp8.W_*) decoded exactly to
+    float16, which holds every e4m3 and e5m2 value; w as loaded for W_FP8 = 0. 1: an FP8 type,
+    upcast; 2: e4m3 read as bytes; 3: e5m2 read as bytes."""
     if W_FP8 == 1:
-        w = w.to(tl.float16).to(x.dtype)
+        w = w.to(tl.float16)
     elif W_FP8 == 2:
         # e4m3 byte s.eeee.mmm -> float16 bits s.0eeee.mmm0000000: float16 reads that exponent
         # with bias 15 instead of 7, hence the exact × 2^8. e4m3's subnormals (eeee = 0) land
@@ -91,12 +90,34 @@ def mma_weight(w, x, W_FP8: tl.constexpr):
         # (The integer constants may widen the result: back to 16 bits before the bitcast.)
         b = w.to(tl.uint16)
         h = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.uint16)
-        w = (h.to(tl.float16, bitcast=True) * 256.0).to(x.dtype)
+        w = h.to(tl.float16, bitcast=True) * 256.0
     elif W_FP8 == 3:
         # An e5m2 byte is the high byte of the float16 of the same value.
         h = (w.to(tl.uint16) << 8).to(tl.uint16)
-        w = h.to(tl.float16, bitcast=True).to(x.dtype)
+        w = h.to(tl.float16, bitcast=True)
     return w
+
+
+@triton.jit
+def mma_weight(w, x, W_FP8: tl.constexpr):
+    """The weight tile w as loaded, made tl.dot's partner of the activation tile x: as loaded
+    (W_FP8 = 0: x's type, or FP8 beside FP8 activations), or FP8 decoded (fp8_as_f16) and
+    upcast to x's type. FP8 values are exact in float16 and in x's type, so the product sees
+    exactly the stored weights."""
+    if W_FP8 != 0:
+        w = fp8_as_f16(w, W_FP8).to(x.dtype)
+    return w
+
+
+@triton.jit
+def gemv_weight(w, W_FP8: tl.constexpr):
+    """The weight tile w in float32 for the one-row loops' float32 products: FP8 decoded
+    (fp8_as_f16) and widened straight from float16, without mma_weight's rounding to x's type
+    on the way (exact either way; two conversions a weight fewer where the loop's arithmetic,
+    not memory, is what limits FP8 weights)."""
+    if W_FP8 != 0:
+        w = fp8_as_f16(w, W_FP8)
+    return w.to(tl.float32)
 
 
 @triton.jit
@@ -211,13 +232,13 @@ def gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_
             k_ok = rk < k_end - k0 - step
             x = tl.load(x_ptrs + step, mask=k_ok & m_ok, other=0.0)
             w_mask = k_ok[:, None] & w_ok[None, :]
-            # FP8 weights are converted exactly (mma_weight), then everything is float32.
+            # FP8 weights are converted exactly (gemv_weight), then everything is float32.
             # Each weight byte is read once (by the programs of this tile's few rows at about
             # the same time): evict-first keeps it from displacing what L2 still serves.
-            wa = mma_weight(tl.load(wa_ptrs + step, mask=w_mask, other=0.0,
-                                    eviction_policy="evict_first"), x, W_FP8).to(tl.float32)
-            wb = mma_weight(tl.load(wb_ptrs + step, mask=w_mask, other=0.0,
-                                    eviction_policy="evict_first"), x, W_FP8).to(tl.float32)
+            wa = gemv_weight(tl.load(wa_ptrs + step, mask=w_mask, other=0.0,
+                                     eviction_policy="evict_first"), W_FP8)
+            wb = gemv_weight(tl.load(wb_ptrs + step, mask=w_mask, other=0.0,
+                                     eviction_policy="evict_first"), W_FP8)
             xf = x.to(tl.float32)
             if PASSES == 1:
                 g = tl.load(G + k0 + step + rk, mask=k_ok, other=0.0).to(tl.float32)
@@ -259,8 +280,8 @@ def gemv_one_product(X, W, w_rows, rm, m_ok, w_ok, K, stride_xm, BLOCK_N: tl.con
             step = u * BLOCK_K
             k_ok = rk < k_end - k0 - step  # as in gemv_two_products
             x = tl.load(x_ptrs + step, mask=k_ok & m_ok, other=0.0)
-            w = mma_weight(tl.load(w_ptrs + step, mask=k_ok[:, None] & w_ok[None, :], other=0.0,
-                                   eviction_policy="evict_first"), x, W_FP8).to(tl.float32)
+            w = gemv_weight(tl.load(w_ptrs + step, mask=k_ok[:, None] & w_ok[None, :],
+                                    other=0.0, eviction_policy="evict_first"), W_FP8)
             xf = x.to(tl.float32)
             if V == 1:
                 if PASSES == 1:
@@ -643,4 +664,5 @@ def pipelined_smem(config: Config, elt: int, n_weights: int, epilogue: bool,
 TWO_PRODUCT_SOURCES = (grouped_tile, block_rows, k_slice, partial_ptrs, two_products,
                        mma_two_products, gemv_two_products, tma_two_products, two_partials_added,
                        store_two_partials, dot,
-                       rms_scaled, mma_weight, scale_product, rms_scaled_products)
+                       rms_scaled, fp8_as_f16, mma_weight, gemv_weight, scale_product,
+                       rms_scaled_products)

@@ -31,7 +31,9 @@ from fusetune.kernels._matmul import (
     block_rows,
     default_tiles,
     dot,
+    fp8_as_f16,
     gemv_one_product,
+    gemv_weight,
     grouped_tile,
     k_slice,
     mma_weight,
@@ -150,7 +152,7 @@ def _lola_kernel(
                              cache_modifier=".cg")
                 sum_x += tl.sum(xf, axis=1)
                 sum_x2 += tl.sum(xf * xf, axis=1)
-                sum_w += tl.sum(mma_weight(ws, x, W_FP8).to(tl.float32), axis=0)
+                sum_w += tl.sum(gemv_weight(ws, W_FP8), axis=0)
             # With PASSES == 2 the tiles go from memory to the tensor cores untouched, which
             # lets the compiler keep the asynchronous load/MMA pipeline that large M needs.
             acc = dot(x, w, acc, IEEE)
@@ -453,8 +455,9 @@ SPEC = KernelSpec(
     padding=_padding,
     dims_from_model=_dims_from_model,
     source_objects=(_lola_kernel, _layernorm_kernel, row_norm_stats, grouped_tile, block_rows,
-                    k_slice, partial_ptrs, dot, gemv_one_product, tma_one_product, mma_weight,
-                    scale_product, _launch_2d, *MATMUL_HOST_SOURCES, layernorm_rows,
+                    k_slice, partial_ptrs, dot, gemv_one_product, tma_one_product, fp8_as_f16,
+                    mma_weight, gemv_weight, scale_product, _launch_2d, *MATMUL_HOST_SOURCES,
+                    layernorm_rows,
                     *fp8.FP8_SOURCES),
     **MATMUL_SPEC_FIELDS,
 )
