@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.table import Table
 
@@ -118,10 +119,12 @@ def _resolve_points(args: PointArgs, target: Target, small: bool
     return spec, space, points
 
 
-def _model_groups(args: PointArgs, small: bool) -> list[tuple[Any, Any, list[Any]]]:
+def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = None
+                  ) -> list[tuple[Any, Any, list[Any]]]:
     """`--kernel all`: (spec, space, points) for every kernel and dims a model run by
     fusetune.patch launches, at its decode batch sizes (1, 2, 4, ... up to --max-batch) and
-    prefill token counts (--prefill), or at --batch x --seq where given."""
+    prefill token counts (--prefill), or at --batch x --seq where given, or at the row counts
+    `rows_opt` (--rows: a point of batch R, seq 1 for each; the lookup keys on rows)."""
     from fusetune.kernels import get_spec
     from fusetune.kernels._spec import Point
     from fusetune.models import PATCH_KERNELS, load_model, model_rows, patched_dims
@@ -138,7 +141,9 @@ def _model_groups(args: PointArgs, small: bool) -> list[tuple[Any, Any, list[Any
         model = load_model(args.model)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    if args.batch is not None or args.seq is not None:
+    if rows_opt is not None:
+        rows = [(r, 1) for r in dict.fromkeys(rows_opt)]
+    elif args.batch is not None or args.seq is not None:
         grid = INTERPRETER_GRID if small else DEFAULT_GRID
         rows = [(b, s) for s in (args.seq or grid["seq"]) for b in (args.batch or grid["batch"])]
     else:
@@ -195,8 +200,14 @@ def _target(backend: str, gpu_name: str | None, dry_run: bool,
                    "every one of the --gpu model) or device indices. One worker process per "
                    "device (implies --isolate); the points are shared out as a queue. The "
                    "devices must be one GPU model.")
+@click.option("--rows", "rows_opt", callback=int_list, default=None, metavar="R,R,...",
+              help="--kernel all: the row counts (batch x seq) to tune, one point of R rows "
+                   "each (batch R, seq 1: the lookup keys on rows, so that point answers "
+                   "`exact` for R rows however they are split), instead of --max-batch and "
+                   "--prefill (and --batch/--seq); e.g. 1,4,16,64,256,1024,4096, the rows "
+                   "`fusetune coverage` reports.")
 def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
-           dry_run: bool, devices: str | None) -> None:
+           dry_run: bool, devices: str | None, rows_opt: list[int] | None) -> None:
     """Tune KERNEL at every (batch, seq, dtype) point: one Optuna study per point.
 
     Every evaluated config is stored with its status (ok, infeasible, oor, compile_error,
@@ -205,9 +216,11 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
     trials are kept and not redone. With --devices, several GPUs of this host (one model) share
     the points, a worker process each.
     """
+    if rows_opt is not None:
+        _check_rows_option(args)
     target = _target(args.backend, args.gpu_name, dry_run, devices)
     small = target.backend == "interpreter" and not dry_run
-    groups = (_model_groups(args, small) if args.kernel == "all"
+    groups = (_model_groups(args, small, rows_opt) if args.kernel == "all"
               else [_resolve_points(args, target, small)])
     if dry_run and devices is not None:
         err.print(f"[yellow]note:[/] --devices {devices} is ignored with --dry-run")
@@ -229,6 +242,21 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
                         args.worker_timeout,
                         compile_workers=_compile_workers(args, target, False),
                         compile_timeout=args.trial_timeout)
+
+
+def _check_rows_option(args: PointArgs) -> None:
+    """`search --rows`: only with --kernel all, and instead of the other ways to give rows
+    (UsageError naming the options given with it)."""
+    if args.kernel != "all":
+        raise click.UsageError(f"--rows applies to --kernel all; for --kernel {args.kernel} "
+                               "give the rows as --batch R1,R2,... --seq 1")
+    ctx = click.get_current_context()
+    given = [opt for name, opt in (("max_batch", "--max-batch"), ("prefill", "--prefill"),
+                                   ("batch", "--batch"), ("seq", "--seq"))
+             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)]
+    if given:
+        raise click.UsageError(f"--rows gives the row counts itself: leave out "
+                               f"{', '.join(given)} (or leave out --rows)")
 
 
 def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trials: int) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from fusetune import cli
@@ -89,3 +91,82 @@ def test_search_all_kernels_of_a_model_plans_each(tmp_path: Path) -> None:
     unknown = CliRunner().invoke(cli.main, ["search", "--kernel", "all", "--model", "gpt-9",
                                             "--gpu", "h100", "--dry-run"])
     assert unknown.exit_code != 0 and "unknown model 'gpt-9'" in unknown.output
+
+
+ISSUE_ROWS = [1, 4, 16, 64, 256, 1024, 4096]
+
+
+def planned(monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[Any, list[tuple[Any, Any]]]:
+    """The result of `search --kernel all --dry-run ARGS` and the (spec, point) it plans."""
+    seen: list[tuple[Any, Any]] = []
+    monkeypatch.setattr(cli, "_print_plan", lambda spec, space, points, target, trials:
+                        seen.extend((spec, p) for p in points))
+    r = CliRunner().invoke(cli.main, ["search", "--kernel", "all", "--gpu", "h100", "--dry-run",
+                                      *args])
+    return r, seen
+
+
+@pytest.mark.parametrize("weights", [None, "fp8-e4m3"])
+def test_search_all_at_rows_plans_one_point_per_row_count(monkeypatch: pytest.MonkeyPatch,
+                                                          weights: str | None) -> None:
+    extra = ["--weights", weights] if weights else []
+    r, seen = planned(monkeypatch, "--model", "llama-3-8b", "--dtype", "bfloat16", "--rows",
+                      ",".join(map(str, [*ISSUE_ROWS, 16])), *extra)  # a repeat: one point
+    assert r.exit_code == 0, r.output
+    assert "5 kernels and dims, rows 1, 4, 16, 64, 256, 1024, 4096, bfloat16" in r.output
+    by_dims: dict[tuple[str, Any], list[Any]] = {}
+    for spec, p in seen:
+        by_dims.setdefault((spec.name, p.dims), []).append(p)
+    assert sorted(k for k, _ in by_dims) == ["ffn", "linear", "linear", "qkv", "rmsnorm"]
+    for (kernel, _), points in by_dims.items():
+        assert [(p.batch, p.seq) for p in points] == [(r, 1) for r in ISSUE_ROWS]
+        assert {p.dtype for p in points} == {"bfloat16"}
+        assert {p.weights for p in points} == {"" if kernel == "rmsnorm" else weights or ""}
+
+
+def test_points_searched_at_rows_are_what_coverage_reports_exact(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_tables: None) -> None:
+    # A table with an entry for every point that `search --rows` tunes (each at its default
+    # config, as a search's winner could be): coverage at those rows finds each one exact.
+    from fusetune import gpus
+
+    h100 = gpus.resolve("h100")
+    for weights in ([], ["--weights", "fp8-e4m3"]):
+        r, seen = planned(monkeypatch, "--model", "qwen2.5-7b", "--rows", "1,4,64,4096",
+                          *weights)
+        assert r.exit_code == 0, r.output
+        entries: dict[str, list[dict[str, Any]]] = {}
+        for spec, p in seen:
+            entries.setdefault(spec.name, []).append({
+                "dims": p.dim, "dtype": p.dtype, "batch": p.batch, "seq": p.seq,
+                "config": spec.default_config(p, h100), **({"weights": p.weights}
+                                                          if p.weights else {})})
+        path = tmp_path / "t.yaml"
+        path.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {},
+                                        "gpus": {"h100": entries}}))
+        cov = CliRunner().invoke(cli.main, ["coverage", "--model", "qwen2.5-7b", "--gpu", "h100",
+                                            "--rows", "1,4,64,4096", "--tables", str(path),
+                                            "--json", *weights])
+        assert cov.exit_code == 0, cov.output
+        report = json.loads(cov.output)
+        assert len(report) == 5 * 4
+        assert {(x["source"], x["rows"] == x["tuned_rows"]) for x in report} == {("exact", True)}
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--max-batch", "4"], "leave out --max-batch"),
+    (["--prefill", "512"], "leave out --prefill"),
+    (["--batch", "1,2", "--seq", "1"], "leave out --batch, --seq"),
+])
+def test_search_rows_refuses_the_other_ways_to_give_rows(args: list[str], expected: str) -> None:
+    r = CliRunner().invoke(cli.main, ["search", "--kernel", "all", "--model", "llama-3-8b",
+                                      "--gpu", "h100", "--dry-run", "--rows", "1,4", *args])
+    assert r.exit_code == 2 and "--rows gives the row counts itself" in r.output, r.output
+    assert expected in r.output
+
+
+def test_search_rows_is_for_kernel_all() -> None:
+    r = CliRunner().invoke(cli.main, ["search", "--kernel", "ffn", "--gpu", "h100", "--dry-run",
+                                      "--rows", "1,4"])
+    assert r.exit_code == 2, r.output
+    assert "--rows applies to --kernel all; for --kernel ffn give the rows as --batch" in r.output
