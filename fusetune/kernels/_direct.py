@@ -15,6 +15,9 @@ with a pre-run hook, an argument that is not a tensor, number, bool or None (a T
 descriptor), or a Triton whose launch call is not the one this module was written against.
 So does every call while something observes Triton's launches by wrapping `JITFunction.run`
 (the tuner reads each config's registers and spills that way): it sees every launch.
+
+Each launch is also noted for `_replay`, which repeats a launcher's launches for a call
+signature it has recorded; a launch left to Triton's path leaves the call without a replay.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from fusetune.kernels._replay import note_launch, note_unrecordable
 
 # Triton releases whose JITFunction.run ends in the launch call made below (read and checked
 # against their sources): kernel.run(grid_0, grid_1, grid_2, stream, function,
@@ -80,6 +85,7 @@ class DirectLaunch:
         fn = self.fn
         if (not self.enabled or fn.pre_run_hooks
                 or self._jit.run.__qualname__ != "JITFunction.run"):  # observed: Triton's path
+            note_unrecordable()
             fn[grid](*args, **kwargs)
             return
         active = self._driver.active
@@ -88,18 +94,22 @@ class DirectLaunch:
         entry = self.kernels.get(key) if key is not None else None
         if entry is None:
             kernel = fn[grid](*args, **kwargs)
-            if key is not None and kernel is not None:
-                tail = self.names[len(args):]
-                if all(n in kwargs or n in self.defaults for n in tail):
-                    if len(self.kernels) >= _MAX_KEYS:
-                        self.kernels.clear()
-                        self.hits = 0
-                    # the keyword values are part of the key: the tail is fixed per entry
-                    self.kernels[key] = (kernel, tuple(kwargs[n] if n in kwargs
+            tail = self.names[len(args):]
+            if (key is None or kernel is None
+                    or not all(n in kwargs or n in self.defaults for n in tail)):
+                note_unrecordable()
+                return
+            if len(self.kernels) >= _MAX_KEYS:
+                self.kernels.clear()
+                self.hits = 0
+            # the keyword values are part of the key: the tail is fixed per entry
+            entry = self.kernels[key] = (kernel, tuple(kwargs[n] if n in kwargs
                                                        else self.defaults[n] for n in tail))
+            note_launch(device, kernel, grid, args + entry[1])
             return
         kernel, tail = entry
         values = args + tail
+        note_launch(device, kernel, grid, values)
         stream = active.get_current_stream(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
@@ -137,6 +147,7 @@ def direct(fn: Any) -> Any:
     from triton.runtime.jit import JITFunction
 
     if not isinstance(fn, JITFunction):
+        note_unrecordable()  # launched as it is, unseen by a replay
         return fn
     launcher = _launchers[id(fn)] = DirectLaunch(fn)
     return launcher

@@ -49,6 +49,7 @@ from fusetune.kernels._matmul_spec import (
     matmul_resources,
     weight_bytes,
 )
+from fusetune.kernels._replay import record, scratch
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -162,8 +163,8 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
     split = config["SPLIT_K"]
     ws = wsq = out  # not read unless split > 1
     if split > 1:
-        ws = torch.empty((2 * split, m, n), dtype=torch.float32, device=x.device)
-        wsq = torch.empty((split, m), dtype=torch.float32, device=x.device)
+        ws = scratch((2 * split, m, n), torch.float32, x.device)
+        wsq = scratch((split, m), torch.float32, x.device)
     args = launch_args(config, act=act, w_fp8=w_fp8, ieee=x.dtype == torch.float32,
                        w_scaled=s1 is not None, tma=descs is not None)
 
@@ -207,9 +208,12 @@ def ffn(
     if _MEMO.active(config):
         memo_key = (tensor_key(x), tensor_key(rms_weight), tensor_key(w1), tensor_key(w3),
                     tensor_key(w1_scale), tensor_key(w3_scale), eps, fp8_activations)
-        cfg = _MEMO.get(memo_key)
-        if cfg is not None:
-            return _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale, fp8_activations, cfg)
+        kept = _MEMO.get(memo_key)
+        if kept is not None:
+            cfg, plan = kept
+            out = None if plan is None else plan.run((x, rms_weight, w1, w3, w1_scale, w3_scale))
+            return out if out is not None else _run(x, rms_weight, w1, w3, eps, w1_scale,
+                                                    w3_scale, fp8_activations, cfg)
     if x.ndim < 1:
         raise ValueError("ffn: x must have at least one dimension")
     d = x.shape[-1]
@@ -236,7 +240,11 @@ def ffn(
         cfg = cached_config(SPEC, (("dim", d), ("hidden", w1.shape[0])), dtype, m, weights,
                             x.device, activations="fp8" if fp8_activations else "")
         if memo_key is not None:
-            _MEMO.keep(memo_key, cfg)
+            out, plan = record(lambda: _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale,
+                                            fp8_activations, cfg),
+                               (x, rms_weight, w1, w3, w1_scale, w3_scale))
+            _MEMO.keep(memo_key, (cfg, plan))
+            return out
     else:
         cfg = SPEC.validate_config(config)
     return _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale, fp8_activations, cfg)

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from fusetune.kernels._direct import direct
 from fusetune.kernels._matmul import cuda_capability, row_norm_stats
+from fusetune.kernels._replay import scratch
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     WEIGHT_FORMATS,
@@ -321,8 +322,8 @@ def norm_fp8_rows(x: torch.Tensor, g: torch.Tensor | None, eps: float, norm: boo
     float32 scales [M]); the first of the matmul kernels' two passes with FP8 activations.
     Matches `quantize_rows` of the normalized rows up to float32 rounding."""
     m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
-    s = torch.empty((m,), dtype=torch.float32, device=x.device)
+    q = scratch((m, k), torch.uint8, x.device)
+    s = scratch((m,), torch.float32, x.device)
     if m:
         block = min(next_pow2(k), 4096)
         direct(_norm_fp8_kernel)[(m,)](x, x if g is None else g, q, s, k, x.stride(0), eps,

@@ -67,6 +67,7 @@ from fusetune.kernels._matmul_spec import (
     matmul_resources,
     weight_bytes,
 )
+from fusetune.kernels._replay import record, scratch
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -208,7 +209,7 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     split = config["SPLIT_K"]
     ws = out  # not read unless split > 1
     if split > 1:
-        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        ws = scratch((split, m, n), torch.float32, x.device)
     # PASSES has one meaning here: not a constexpr of the kernel
     args = launch_args(config, act=act, w_fp8=w_fp8, ieee=x.dtype == torch.float32,
                        w_scaled=sw is not None, tma=descs is not None, passes=False)
@@ -256,9 +257,12 @@ def linear(
     if _MEMO.active(config):
         memo_key = (tensor_key(x), tensor_key(weight), tensor_key(bias), tensor_key(residual),
                     tensor_key(weight_scale), fp8_activations)
-        cfg = _MEMO.get(memo_key)
-        if cfg is not None:
-            return _run(x, weight, bias, residual, weight_scale, fp8_activations, cfg)
+        kept = _MEMO.get(memo_key)
+        if kept is not None:
+            cfg, plan = kept
+            out = None if plan is None else plan.run((x, weight, bias, residual, weight_scale))
+            return out if out is not None else _run(x, weight, bias, residual, weight_scale,
+                                                    fp8_activations, cfg)
     if x.ndim < 1:
         raise ValueError("linear: x must have at least one dimension")
     k = x.shape[-1]
@@ -297,7 +301,11 @@ def linear(
         cfg = cached_config(SPEC, dims, dtype, m, weights, x.device,
                             activations="fp8" if fp8_activations else "")
         if memo_key is not None:
-            _MEMO.keep(memo_key, cfg)
+            out, plan = record(lambda: _run(x, weight, bias, residual, weight_scale,
+                                            fp8_activations, cfg),
+                               (x, weight, bias, residual, weight_scale))
+            _MEMO.keep(memo_key, (cfg, plan))
+            return out
     else:
         cfg = SPEC.validate_config(config)
     return _run(x, weight, bias, residual, weight_scale, fp8_activations, cfg)

@@ -19,6 +19,7 @@ import triton.language as tl
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._call_memo import CallMemo, tensor_key
 from fusetune.kernels._direct import direct
+from fusetune.kernels._replay import record, scratch
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -128,9 +129,11 @@ def rmsnorm(
     memo_key = None
     if _MEMO.active(config):
         memo_key = (tensor_key(x), tensor_key(weight), eps)
-        cfg = _MEMO.get(memo_key)
-        if cfg is not None:
-            return _run(x, weight, eps, cfg)
+        kept = _MEMO.get(memo_key)
+        if kept is not None:
+            cfg, plan = kept
+            out = None if plan is None else plan.run((x, weight))
+            return out if out is not None else _run(x, weight, eps, cfg)
     if x.ndim < 1:
         raise ValueError("rmsnorm: x must have at least one dimension")
     d = x.shape[-1]
@@ -151,7 +154,9 @@ def rmsnorm(
         m = x.numel() // d if d else 0
         cfg = cached_config(SPEC, (("dim", d),), dtype, m, "", x.device)
         if memo_key is not None:
-            _MEMO.keep(memo_key, cfg)
+            out, plan = record(lambda: _run(x, weight, eps, cfg), (x, weight))
+            _MEMO.keep(memo_key, (cfg, plan))
+            return out
     else:
         cfg = SPEC.validate_config(config)
     return _run(x, weight, eps, cfg)
@@ -201,7 +206,7 @@ def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     from fusetune.runtime import cached_config
 
     m, d = x.shape
-    y = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    y = scratch((m, d), x.dtype, x.device)
     if m:
         cfg = cached_config(SPEC, (("dim", d),), dtype_name(x.dtype), m, "", x.device,
                             warn=False)

@@ -1,0 +1,223 @@
+"""A launcher's launches for a call signature it has run before, repeated with new tensors.
+
+After the call memo (_call_memo) a decode-size call still runs the launcher's Python around
+its launches (reshapes, FP8 views, workspaces, argument lists) and the argument handling of
+each launch: more CPU time than the kernels take on the GPU. Everything in it but the tensors'
+addresses follows from the memo's key (shapes, strides, dtypes, devices, the other
+arguments) and the config. So the first call of a signature runs in full under `record`,
+which notes every launch made through `_direct` (the compiled kernel, its grid and its
+argument values), and `Plan.build` ties each tensor argument to an address inside one of
+the call's inputs, its outputs, or a `scratch` buffer. A later call of the same signature
+runs `Plan.run`: new outputs and scratch buffers, then the same compiled kernels launched
+with the new tensors' addresses, nothing else.
+
+A plan is made only where the replay is sure to do what the full path does:
+- every launch of the call went through `direct`'s own launch (none through Triton's path
+  alone: a TMA descriptor argument, an observed or unsupported Triton);
+- every tensor argument lies in exactly one input, output or scratch buffer. A tensor the
+  call makes with content (a contiguous copy, a bias of zeros) is none of these, and a call
+  whose inputs overlap (x passed as the residual too) cannot tell them apart: no plan;
+- outputs are fresh dense tensors the replay can allocate the same way;
+- scratch buffers are `scratch` allocations, whose content the launches write before they
+  read it (split-K partial sums, a norm pass's rows).
+A replay declines (returns None, and the caller takes the full path) where Triton would pick
+another compiled kernel (a 16-byte-aligned address of the recording is not aligned now), on
+another current device, or while something watches Triton's launches (a launch hook, or a
+wrapped `JITFunction.run`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+_INPUT, _OUTPUT, _SCRATCH = 0, 1, 2  # where a tensor argument's address comes from
+
+
+class Recording:
+    """The launches of one call (kernel, grid, argument values) and its scratch buffers; `ok`
+    turns False when a launch could not be noted."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[Any, tuple[int, int, int], tuple[Any, ...]]] = []
+        self.scratch: list[torch.Tensor] = []
+        self.devices: set[int] = set()  # the current device at each launch
+        self.ok = True
+
+
+_local = threading.local()
+
+
+def recordings() -> list[Recording]:
+    """The recordings open on this thread (innermost last): a launch is noted in every one,
+    so that a launcher calling another keeps the inner launches in its own plan."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def note_launch(device: int, kernel: Any, grid: tuple[int, ...], values: tuple[Any, ...]
+                ) -> None:
+    """Called by `_direct` for every launch it makes with the compiled `kernel` on `device`
+    (a no-op unless a recording is open)."""
+    stack = getattr(_local, "stack", None)
+    if stack:
+        g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        for rec in stack:
+            rec.devices.add(device)
+            rec.launches.append((kernel, g, values))
+
+
+def note_unrecordable() -> None:
+    """Called by `_direct` for a launch it left to Triton: the open recordings make no plan."""
+    for rec in getattr(_local, "stack", None) or ():
+        rec.ok = False
+
+
+def scratch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty for a buffer that a launcher's launches write before they read it (a
+    replay allocates a new one of the same shape)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    for rec in getattr(_local, "stack", None) or ():
+        rec.scratch.append(t)
+    return t
+
+
+def record(run: Callable[[], T], inputs: Sequence[torch.Tensor | None]) -> tuple[T, Plan | None]:
+    """run() (a launcher's full path on `inputs`, returning a fresh tensor or a tuple of them)
+    with its launches noted: (its result, the plan that repeats it, or None)."""
+    stack = recordings()
+    rec = Recording()
+    stack.append(rec)
+    try:
+        result = run()
+    finally:
+        stack.pop()
+    return result, Plan.build(rec, inputs, result)
+
+
+_parts: tuple[Any, Any, Any] | None = None
+
+
+def triton_parts() -> tuple[Any, Any, Any]:
+    """(Triton's runtime knobs, its active driver, JITFunction), imported once."""
+    global _parts
+    if _parts is None:
+        from triton import knobs
+        from triton.runtime import driver
+        from triton.runtime.jit import JITFunction
+
+        _parts = (knobs.runtime, driver.active, JITFunction)
+    return _parts
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from t's first element to just past its last one."""
+    if t.numel() == 0:
+        return 0
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+def _fresh(t: torch.Tensor) -> bool:
+    """Whether t is all of a storage of its own, densely laid out (what empty_strided makes)."""
+    return (t.storage_offset() == 0 and t.numel() > 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            and _extent(t) == t.numel() * t.element_size())
+
+
+class Plan:
+    """The launches of a recorded call, their tensor arguments as slots into the tensors the
+    call uses (an input, output or scratch buffer, and a byte offset into it); see the module
+    docstring."""
+
+    def __init__(self, device: int, outputs: list[tuple[Any, ...]], single: bool,
+                 scratch: list[tuple[Any, ...]], uses: list[tuple[int, int]],
+                 aligned: list[tuple[int, int]],
+                 launches: list[tuple[Any, tuple[int, int, int], list[Any],
+                                      tuple[tuple[int, int, int], ...]]]) -> None:
+        self.device = device
+        self.outputs = outputs  # (shape, stride, dtype, device) of each output
+        self.single = single  # the launcher returns one tensor (else a tuple)
+        self.scratch = scratch  # (shape, dtype, device) of each scratch buffer
+        self.uses = uses  # (source, index) of each tensor the launches read or write
+        self.aligned = aligned  # (use, offset) of each address that was 16-byte aligned
+        # (kernel, grid, argument values (None at the tensors), (position, use, offset) slots)
+        self.launches = launches
+        self.runs = 0  # replays (for tests)
+
+    @classmethod
+    def build(cls, rec: Recording, inputs: Sequence[torch.Tensor | None], result: Any
+              ) -> Plan | None:
+        if not rec.ok or not rec.launches or len(rec.devices) != 1:
+            return None
+        single = isinstance(result, torch.Tensor)
+        outputs = [result] if single else list(result)
+        if not all(isinstance(t, torch.Tensor) and _fresh(t) for t in outputs):
+            return None
+        if not all(_fresh(t) for t in rec.scratch):
+            return None
+        regions = []  # (first byte, end, source, index)
+        for source, tensors in ((_INPUT, inputs), (_OUTPUT, outputs), (_SCRATCH, rec.scratch)):
+            for i, t in enumerate(tensors):
+                if t is not None and t.numel() > 0:
+                    start = t.data_ptr()
+                    regions.append((start, start + _extent(t), source, i))
+        uses: dict[tuple[int, int], int] = {}
+        aligned: set[tuple[int, int]] = set()
+        launches = []
+        for kernel, grid, values in rec.launches:
+            slots = []
+            for pos, v in enumerate(values):
+                if not isinstance(v, torch.Tensor):
+                    continue
+                ptr = v.data_ptr()
+                owners = [r for r in regions if r[0] <= ptr < r[1]]
+                if len(owners) != 1:
+                    return None  # made in the call with content, or inputs that overlap
+                start, _, source, i = owners[0]
+                use = uses.setdefault((source, i), len(uses))
+                slots.append((pos, use, ptr - start))
+                if ptr % 16 == 0:
+                    aligned.add((use, ptr - start))
+            # the template keeps no tensor of this call alive
+            template = [None if isinstance(v, torch.Tensor) else v for v in values]
+            launches.append((kernel, grid, template, tuple(slots)))
+        return cls(next(iter(rec.devices)),
+                   [(t.shape, t.stride(), t.dtype, t.device) for t in outputs], single,
+                   [(t.shape, t.dtype, t.device) for t in rec.scratch], list(uses),
+                   sorted(aligned), launches)
+
+    def run(self, inputs: Sequence[torch.Tensor | None]) -> Any:
+        """The recorded call repeated on `inputs` (the same signature): its result, or None
+        where the replay declines (see the module docstring)."""
+        runtime, active, jit = triton_parts()
+        if (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+                or jit.run.__qualname__ != "JITFunction.run"):
+            return None
+        if active.get_current_device() != self.device:
+            return None
+        outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                   for shape, stride, dtype, device in self.outputs]
+        scratch = [torch.empty(shape, dtype=dtype, device=device)
+                   for shape, dtype, device in self.scratch]
+        sources = (inputs, outputs, scratch)
+        ptrs = [sources[source][i].data_ptr() for source, i in self.uses]
+        for use, offset in self.aligned:
+            if (ptrs[use] + offset) % 16:
+                return None  # Triton would take a kernel compiled for unaligned addresses
+        stream = active.get_current_stream(self.device)
+        for kernel, (g0, g1, g2), template, slots in self.launches:
+            values = template.copy()
+            for pos, use, offset in slots:
+                values[pos] = ptrs[use] + offset
+            kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None,
+                       None, *values)
+        self.runs += 1
+        return outputs[0] if self.single else tuple(outputs)
