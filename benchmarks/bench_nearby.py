@@ -76,7 +76,8 @@ def make_case(kernel: str, dims: dict[str, int], rows: int, dtype: str, gpu: Any
         return lambda: spec.launch(inputs, outputs, config)
 
     return {"name": f"{kernel} {','.join(f'{k}={v}' for k, v in dims.items())}, {rows} rows",
-            "source": resolution.source, "configs": configs,
+            "source": resolution.source + (" (marginal: default)" if resolution.marginal
+                                           else ""), "configs": configs,
             "fns": {k: None if c is None else launch(c) for k, c in configs.items()}}
 
 

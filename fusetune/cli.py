@@ -24,6 +24,9 @@ from fusetune.tuner.search import (
     parse_dims,
 )
 
+# What `coverage` says of a point whose table entry is marginal.
+MARGINAL_NOTE = "marginal: the default config runs"
+
 # Wide enough for the tables when output goes to a file or a CI log.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
 err = Console(stderr=True, highlight=False)
@@ -561,7 +564,9 @@ def coverage(model: str, gpu_name: str | None, dtype: str | None, weights: str |
     For every kernel and dims that fusetune.patch launches in MODEL and every row count: exact
     (a table entry of those rows), rows (another row count of the same dims), nearby (carried
     over from the nearest tuned dims, checked against the GPU's limits) or default (the
-    heuristic), with the speedup over the default that the entry recorded.
+    heuristic), with the speedup over the default that the entry recorded. An exact or rows
+    entry marked marginal (its winner did not beat the default beyond the timings' spread) is
+    shown so: the point is tuned, and the default config runs there.
     """
     import json
 
@@ -600,13 +605,16 @@ def coverage(model: str, gpu_name: str | None, dtype: str | None, weights: str |
         if r.source == "nearby" and r.tuned_dims is not None:
             origin = ",".join(f"{k}={v}" for k, v in r.tuned_dims.items()) + f" @ {r.tuned_rows}"
         elif r.tuned_rows is not None:
-            origin = f"rows {r.tuned_rows}" + (" (marginal)" if r.marginal else "")
+            origin = f"rows {r.tuned_rows}" + (f" ({MARGINAL_NOTE})" if r.marginal else "")
         t.add_row(r.kernel, r.use, ",".join(f"{k}={v}" for k, v in r.dims.items()), str(r.rows),
                   r.source, origin, _fmt(r.speedup, ".2f") + ("×" if r.speedup else ""))
     console.print(t)
     counts = {s: sum(1 for r in report if r.source == s)
               for s in ("exact", "rows", "nearby", "default")}
-    console.print("; ".join(f"{n} {s}" for s, n in counts.items()))
+    marginal = sum(1 for r in report if r.marginal)
+    console.print("; ".join(f"{n} {s}" for s, n in counts.items())
+                  + (f" ({marginal} of the exact and rows {MARGINAL_NOTE})"
+                     if marginal else ""))
 
 
 @main.command("evaluate-search")

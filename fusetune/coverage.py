@@ -1,6 +1,7 @@
 """Where the configs of a patched model come from (`fusetune coverage`): for every point the
 model launches through fusetune.patch, the lookup's answer on one GPU (exact, rows, nearby or
-default) and the speedup its table entry recorded over the default heuristic."""
+default; marginal where the entry's tuning found nothing better than the default heuristic,
+whose config then runs) and the speedup its table entry recorded over the default."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class CoverageRow:
     weights: str
     activations: str
     source: str  # exact, rows, nearby, default
+    # tuned_rows, tuned_dims: the entry that answered; marginal: it was no better than the
+    # default heuristic, whose config runs (source still exact or rows: the point is tuned)
     tuned_rows: int | None
     tuned_dims: dict[str, int] | None
     speedup: float | None

@@ -16,7 +16,8 @@ matmul kernels' one-row structure serves one row; their entries serve fewer than
 KernelSpec.row_reach times fewer rows), else the config of the nearest entry of other dims
 that the point's limits hold ("nearby"), else the kernel's default heuristic with a one-time
 warning ("default"). An entry marked marginal (its winner did not beat the default beyond the
-timings' spread) answers with the default heuristic.
+timings' spread) answers with the default heuristic's config: the point is covered ("exact" or
+"rows", marginal), the tuner having found nothing better than the default there.
 
 This is the runtime path: it never imports optuna or sqlalchemy.
 """
@@ -470,9 +471,11 @@ class Resolution:
     """Where a point's config comes from: "exact" (a table entry of its rows), "rows" (an entry
     of its dims at another row count that serves these rows), "nearby" (carried over from the
     nearest tuned dims of its GPU, kernel, dtype, weights and activation mode, checked against
-    the point's limits) or "default" (the heuristic; also where the entry found is marginal:
-    its winner did not beat the default beyond the timings' spread). `rows` and `dims` name the
-    entry used; `speedup` is what it recorded over the default (default µs / tuned µs)."""
+    the point's limits) or "default" (the heuristic: nothing tuned answers). `rows` and `dims`
+    name the entry used; `speedup` is what it recorded over the default (default µs / tuned µs).
+    `marginal`: that entry's winner did not beat the default beyond the timings' spread, so the
+    config is the default heuristic's while the source says the point was tuned ("exact" or
+    "rows")."""
 
     config: Config
     source: str
@@ -550,10 +553,10 @@ def _resolution(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str,
             if found is not None:
                 r, config = found
                 info = tables.info.get((group, r), EntryInfo())
-                if info.marginal:  # no better than the default: run the default
-                    return Resolution(default, "default", r, dims, info.speedup, True)
-                return Resolution(config, "exact" if r == rows else "rows", r, dims,
-                                  info.speedup)
+                # A marginal entry (no better than the default): tuned, and the default runs.
+                return Resolution(default if info.marginal else config,
+                                  "exact" if r == rows else "rows", r, dims, info.speedup,
+                                  info.marginal)
             tuned = tuned or entries
     near = _nearby(spec, group, point, gpu)
     if near is not None:

@@ -84,7 +84,8 @@ def resolve(kernel: str, dims: Mapping[str, int], dtype: str, *, rows: int, weig
             warn: bool = True) -> runtime.Resolution:
     """`lookup`'s answer with where it comes from: a Resolution (config; source "exact",
     "rows", "nearby" or "default"; the table entry's rows and dims; its recorded speedup over
-    the default heuristic). `warn`: the one-time warning where nothing tuned answers."""
+    the default heuristic; `marginal` where that entry's winner was no better than the default,
+    whose config then answers). `warn`: the one-time warning where nothing tuned answers."""
     return runtime.resolve(_spec(kernel), dims, dtype, rows=rows, weights=weights,
                            activations=activations, gpu=gpu, device=device, warn=warn)
 

@@ -4,6 +4,7 @@ coverage` over the points of a patched model."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -97,14 +98,24 @@ def test_nearby_skips_tiles_that_overhang_the_point(tmp_path: Path, fresh_tables
 
 
 def test_a_marginal_entry_answers_with_the_default(tmp_path: Path, fresh_tables: None) -> None:
-    # An entry whose winner did not beat the default beyond the timings' spread: the lookup
-    # runs the default heuristic there, and says so.
-    fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 64, TILES, time_us=100.0,
+    # An entry whose winner did not beat the default beyond the timings' spread: the point is
+    # tuned (exact, or rows for fewer rows), marked marginal, and the default heuristic runs.
+    fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 1, GEMV),
+                                          ffn_entry(4096, 14336, 64, TILES, time_us=100.0,
                                                     default_us=101.0, marginal=True)]))
-    res = resolve(4096, 14336, 64)
-    p = Point.make("ffn", {"dim": 4096, "hidden": 14336}, 1, 64, "bfloat16")
-    assert (res.source, res.marginal) == ("default", True)
-    assert res.config == FFN.canonical(FFN.default_config(p, gpus.resolve("h100")), p)
+    h100 = gpus.resolve("h100")
+    for rows, source in ((64, "exact"), (48, "rows")):
+        res = resolve(4096, 14336, rows)
+        p = Point.make("ffn", {"dim": 4096, "hidden": 14336}, 1, rows, "bfloat16")
+        assert (res.source, res.rows, res.marginal) == (source, 64, True)
+        assert res.speedup == pytest.approx(1.01)
+        default = FFN.canonical(FFN.default_config(p, h100), p)
+        assert res.config == default != FFN.canonical(FFN.validate_config(TILES), p)
+        assert fusetune.lookup("ffn", {"dim": 4096, "hidden": 14336}, "bfloat16", rows=rows,
+                               gpu="h100") == default
+    tuned = resolve(4096, 14336, 1)  # the entry beside it is not marginal: its config runs
+    assert (tuned.source, tuned.marginal) == ("exact", False)
+    assert tuned.config == FFN.validate_config(GEMV)
     lent = resolve(3584, 18944, 64)  # nor does it lend its config (a shipped entry may)
     assert lent.dims is None or dict(lent.dims) != {"dim": 4096, "hidden": 14336}
     bad = table(tmp_path, [ffn_entry(4096, 14336, 64, TILES, marginal="yes")])
@@ -153,3 +164,29 @@ def test_coverage_names_each_points_source(tmp_path: Path, fresh_tables: None) -
     assert shown.exit_code == 0 and "gate_up" in shown.output and "1.12×" in shown.output
     bad = CliRunner().invoke(cli.main, ["coverage", "--model", "phi-9", "--gpu", "h100"])
     assert bad.exit_code != 0 and "unknown model 'phi-9'; valid:" in bad.output
+
+
+def test_coverage_counts_a_marginal_entry_as_tuned(tmp_path: Path, fresh_tables: None) -> None:
+    # A point tuned and found no better than the default heuristic is covered: exact (rows for
+    # fewer rows), with the marginal flag, and the lookup's config is the default's.
+    path = table(tmp_path, [ffn_entry(4096, 14336, 1, GEMV, time_us=89.0, default_us=90.0,
+                                      marginal=True),
+                            ffn_entry(4096, 14336, 64, TILES, time_us=100.0, default_us=150.0)])
+    args = ["coverage", "--model", "llama-3-8b", "--gpu", "h100", "--rows", "1,64",
+            "--tables", str(path)]
+    r = CliRunner().invoke(cli.main, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    ffn = {x["rows"]: x for x in json.loads(r.output) if x["kernel"] == "ffn"}
+    assert (ffn[1]["source"], ffn[1]["tuned_rows"], ffn[1]["marginal"]) == ("exact", 1, True)
+    assert (ffn[64]["source"], ffn[64]["marginal"]) == ("exact", False)
+    p = Point.make("ffn", {"dim": 4096, "hidden": 14336}, 1, 1, "bfloat16")
+    assert fusetune.lookup("ffn", {"dim": 4096, "hidden": 14336}, "bfloat16", rows=1,
+                           gpu="h100") == FFN.canonical(FFN.default_config(
+                               p, gpus.resolve("h100")), p)
+    shown = CliRunner().invoke(cli.main, args)
+    assert shown.exit_code == 0, shown.output
+    line = next(x for x in shown.output.splitlines() if "gate_up" in x and "│ 1 " in x)
+    assert re.search(r"│ exact\s+│ rows 1 \(marginal: the default config runs\)", line), line
+    last = shown.output.strip().splitlines()[-1]
+    assert re.match(r"\d+ exact; \d+ rows; \d+ nearby; \d+ default \(\d+ of the exact and "
+                    r"rows marginal: the default config runs\)", last), last
