@@ -814,8 +814,9 @@ def _gpu_filter(name: str | None, store: Any) -> str | None:
               help="Database URL (sqlite:///..., postgresql://...).")
 @click.option("--update", is_flag=True,
               help="PATH is an existing table: put the database's winners into it (each "
-                   "replaces the entry of the same point: GPU, kernel, dims, dtype, weights, "
-                   "batch, seq) and keep its other entries, instead of writing a new table.")
+                   "replaces the entries of the same lookup key: GPU, kernel, dims, dtype, "
+                   "weights, activations, rows = batch x seq whatever the split) and keep its "
+                   "other entries, instead of writing a new table.")
 def export(path: str, gpu_name: str | None, kernel: str | None, db: str, update: bool) -> None:
     """Write the winners in the database to the lookup table PATH (YAML)."""
     from fusetune.export import build_tables, update_tables

@@ -19,12 +19,16 @@ from fusetune.tables import SCHEMA_VERSION, canonical_gpu, parse_tables
 
 def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
                  ) -> dict[str, Any]:
-    """The table document for the winners in `store` (newest winner per point)."""
+    """The table document for the winners in `store`: the newest winner per lookup key (GPU,
+    kernel, dims, dtype, weights, activation mode, rows = batch × seq), as the lookup reads one
+    entry per row count (points of other batch × seq splits of the same rows would leave one
+    entry unread)."""
     gpus: dict[str, dict[str, list[dict[str, Any]]]] = {}
     seen: set[tuple[Any, ...]] = set()
     versions: set[tuple[str, str]] = set()
     for p, w in store.winners(gpu=gpu, kernel=kernel):  # newest first
-        ident = (p.gpu, p.kernel, p.dims, p.batch, p.seq, p.dtype, p.weights)  # with the mode
+        # weights holds the activation mode too
+        ident = (p.gpu, p.kernel, p.dims, p.batch * p.seq, p.dtype, p.weights)
         if ident in seen:
             continue
         seen.add(ident)
@@ -101,8 +105,9 @@ def _catalogued(gpu: str) -> bool:
 
 @dataclass(frozen=True)
 class Update:
-    """What `update_tables` did: entries of the database that replaced an entry of the same
-    point in the file, those that were new to it, and the file's entries kept as they were."""
+    """What `update_tables` did: entries of the database that replaced the file's entry (or
+    entries) of the same lookup key, those that were new to it, and the file's entries kept as
+    they were."""
 
     replaced: int
     added: int
@@ -113,16 +118,17 @@ def update_tables(old_text: str, source: str, new: dict[str, Any]
                   ) -> tuple[dict[str, Any], Update]:
     """The table document `old_text` (validated first; `source` names it in errors) with the
     entries of `new` (a build_tables document) in it: an entry of `new` replaces the file's
-    entry for the same point (GPU, kernel, dims, dtype, weight format, activation mode, batch,
-    seq), the file's
-    other entries stay as they are. GPU names are written canonically ("h100" -> "h100-sxm")."""
+    entries of the same lookup key (GPU, kernel, dims, dtype, weight format, activation mode,
+    rows = batch × seq: an entry of another split of the same rows would be read in its place),
+    the file's other entries stay as they are. GPU names are written canonically ("h100" ->
+    "h100-sxm")."""
     parse_tables(old_text, source)  # a file the runtime would reject is not built upon
     old = yaml.safe_load(old_text)
     versions = {(str(v["triton"]), str(v["torch"]))
                 for doc in (old, new) for v in doc["provenance"].get("versions") or []
                 if isinstance(v, dict) and "triton" in v and "torch" in v}
-    gpus: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    index: dict[tuple[Any, ...], int] = {}
+    gpus: dict[str, dict[str, list[dict[str, Any] | None]]] = {}
+    index: dict[tuple[Any, ...], list[int]] = {}  # lookup key -> its entries' places in gpus
     kept = 0
     uncatalogued = old["provenance"].get(UNCATALOGUED_FIELD) or []
     for gpu_key, kernels in old["gpus"].items():
@@ -130,7 +136,7 @@ def update_tables(old_text: str, source: str, new: dict[str, Any]
         for kernel, entries in kernels.items():
             for e in entries:
                 dst = gpus.setdefault(gpu, {}).setdefault(kernel, [])
-                index[_identity(gpu, kernel, e)] = len(dst)
+                index.setdefault(_identity(gpu, kernel, e), []).append(len(dst))
                 dst.append(dict(e))
                 kept += 1
     replaced = added = 0
@@ -139,19 +145,27 @@ def update_tables(old_text: str, source: str, new: dict[str, Any]
             dst = gpus.setdefault(gpu, {}).setdefault(kernel, [])
             for e in entries:
                 ident = _identity(gpu, kernel, e)
-                if ident in index:
-                    dst[index[ident]] = dict(e)
+                places = index.get(ident)
+                if places:
+                    dst[places[0]] = dict(e)
+                    for i in places[1:]:  # the same rows split otherwise: replaced too
+                        dst[i] = None
+                    kept -= len(places)
+                    index[ident] = places[:1]
                     replaced += 1
                 else:
-                    index[ident] = len(dst)
+                    index[ident] = [len(dst)]
                     dst.append(dict(e))
                     added += 1
-    return _document(gpus, versions), Update(replaced, added, kept - replaced)
+    out = {g: {k: [e for e in es if e is not None] for k, es in ks.items()}
+           for g, ks in gpus.items()}
+    return _document(out, versions), Update(replaced, added, kept)
 
 
 def _identity(gpu: str, kernel: str, e: dict[str, Any]) -> tuple[Any, ...]:
+    """An entry's lookup key: the lookup reads one entry per row count, whatever its split."""
     return (gpu, kernel, json.dumps(e["dims"], sort_keys=True), e["dtype"],
-            e.get("weights") or "", e.get("activations") or "", e["batch"], e["seq"])
+            e.get("weights") or "", e.get("activations") or "", e["batch"] * e["seq"])
 
 
 def write_tables(doc: dict[str, Any], path: str | Path) -> int:

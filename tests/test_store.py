@@ -277,6 +277,35 @@ def test_update_replaces_same_points_and_keeps_the_rest(db_url: str, tmp_path: P
     assert fusetune.lookup("rmsnorm", {"dim": 64}, "float16", rows=1, gpu="h100") == CFG_A
 
 
+def test_export_and_update_keep_one_entry_per_row_count(db_url: str, tmp_path: Path) -> None:
+    # The lookup reads one entry per row count (rows = batch x seq): of two splits of the same
+    # rows the export writes the newest winner only, and an update replaces the file's entries
+    # of those rows whatever their split; a left-over one would be read in the new one's place.
+    store = Store(db_url)
+    store.set_winner(store.point_id(key(batch=1, seq=4096)), CFG_A, 3.0, CFG_A, 4.0, 100, 50, 1)
+    store.set_winner(store.point_id(key(batch=4096, seq=1)), CFG_B, 3.0, CFG_A, 4.0, 100, 50, 1)
+    store.set_winner(store.point_id(key(batch=4, seq=1)), CFG_B, 3.0, CFG_A, 4.0, 100, 50, 1)
+    doc = export.build_tables(store)
+    entries = doc["gpus"]["h100-sxm"]["rmsnorm"]
+    assert [(e["batch"], e["seq"], e["config"]) for e in entries] == [(4, 1, CFG_B),
+                                                                      (4096, 1, CFG_B)]
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {}, "gpus": {"h100": {
+        "rmsnorm": [{"dims": {"dim": 64}, "dtype": "float16", "batch": b, "seq": s,
+                     "config": CFG_C} for b, s in ((1, 4096), (8, 512), (1, 4), (2, 1))]}}}))
+    updated, done = export.update_tables(old.read_text(), str(old), doc)
+    assert (done.replaced, done.added, done.kept) == (2, 0, 1)
+    assert export.write_tables(updated, old) == 3
+    back = yaml.safe_load(old.read_text())["gpus"]["h100-sxm"]["rmsnorm"]
+    assert [(e["batch"], e["seq"], e["config"]) for e in back] == [
+        (2, 1, CFG_C), (4, 1, CFG_B), (4096, 1, CFG_B)]
+    tables.load_tables(old)
+    import fusetune
+
+    for rows in (4, 4096):
+        assert fusetune.lookup("rmsnorm", {"dim": 64}, "float16", rows=rows, gpu="h100") == CFG_B
+
+
 def test_update_refuses_an_invalid_file(db_url: str, tmp_path: Path) -> None:
     store = Store(db_url)
     _fill(store)
