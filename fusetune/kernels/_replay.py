@@ -117,6 +117,11 @@ def triton_parts() -> tuple[Any, Any, Any]:
     return _parts
 
 
+def _hooked(hook: Any) -> bool:
+    """Whether a Triton launch hook is set: None, or a HookChain with no hook in it, is not."""
+    return hook is not None and getattr(hook, "calls", None) != []
+
+
 def _extent(t: torch.Tensor) -> int:
     """Bytes from t's first element to just past its last one."""
     if t.numel() == 0:
@@ -198,7 +203,7 @@ class Plan:
         """The recorded call repeated on `inputs` (the same signature): its result, or None
         where the replay declines (see the module docstring)."""
         runtime, active, jit = triton_parts()
-        if (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+        if (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
                 or jit.run.__qualname__ != "JITFunction.run"):
             return None
         if active.get_current_device() != self.device:
