@@ -135,6 +135,7 @@ def test_gpu_direct_launches_match_tritons(monkeypatch: pytest.MonkeyPatch) -> N
     from fusetune.kernels import rmsnorm as rmsnorm_mod
 
     genuine_triton_run(monkeypatch)
+    fusetune.tables.reset()  # no memo entry of another test
     launch = _direct.direct(rmsnorm_mod._rmsnorm_kernel)
     hits = launch.hits
     base = torch.randn(4 * 1000 + 1, device="cuda")
@@ -145,7 +146,11 @@ def test_gpu_direct_launches_match_tritons(monkeypatch: pytest.MonkeyPatch) -> N
             want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
             got = fusetune.rmsnorm(x, w, eps=1e-5)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert launch.hits - hits >= 2
+    # The aligned repeats replay the first call (fusetune.kernels._replay); the unaligned
+    # calls cannot (their kernel is another specialization): the second of them takes the
+    # direct launch's short path.
+    ((_, plan),) = rmsnorm_mod._MEMO.values()
+    assert plan.runs == 2 and launch.hits - hits >= 1
 
 
 @pytest.mark.gpu
