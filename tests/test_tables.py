@@ -657,6 +657,26 @@ def test_shipped_tables_are_valid_for_every_kernel() -> None:
         assert len(tables.parse_tables(f.read_text(), f.name)) > 0
 
 
+def test_shipped_tables_hold_each_lookup_key_once() -> None:
+    # Two shipped entries of one key (GPU, kernel, dims, dtype, weights, activations, rows)
+    # would leave the answer to the files' order: the newer measurement must replace the older.
+    from importlib import resources
+
+    where: dict[tuple[Any, ...], str] = {}
+    for f in sorted(resources.files("fusetune.shipped_tables").iterdir(), key=lambda f: f.name):
+        if not f.name.endswith(".yaml"):
+            continue
+        for gpu, kernels in yaml.safe_load(f.read_text())["gpus"].items():
+            for kernel, entries in kernels.items():
+                for i, e in enumerate(entries):
+                    key = (gpu, kernel, tuple(sorted(e["dims"].items())), e["dtype"],
+                           e.get("weights", ""), e.get("activations", ""),
+                           e["batch"] * e["seq"])
+                    here = f"{f.name}: gpus.{gpu}.{kernel}[{i}]"
+                    assert key not in where, f"{here} repeats {where[key]}"
+                    where[key] = here
+
+
 def test_env_tables_checked_at_the_kernels_first_lookup(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # FUSETUNE_TABLES is read by the first launch, which knows its own kernel only: another
