@@ -8,6 +8,7 @@ every argument a launch receives can be compared with the call's tensors."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -19,6 +20,7 @@ from triton.runtime.jit import JITFunction
 
 import fusetune
 import fusetune.runtime
+import fusetune.tables
 from fusetune.kernels import _direct, _replay
 from fusetune.kernels import ffn as ffn_mod
 from fusetune.kernels import linear as linear_mod
@@ -195,6 +197,65 @@ def test_unaligned_addresses_and_observers_take_the_full_path(
         monkeypatch.setattr(runtime.launch_enter_hook, "calls", [])
         fusetune.rmsnorm(base[:120].view(3, 40), w, eps=1e-5)
     assert plan.runs == 1 and k.slow == 3
+
+
+def test_an_address_aligned_now_but_not_when_recorded_takes_the_full_path(fake: Any) -> None:
+    k = fake(rmsnorm_mod, "_rmsnorm_kernel")
+    base, w = torch.randn(3 * 40 + 1), torch.rand(40) + 0.5
+    with torch.no_grad():
+        fusetune.rmsnorm(base[1:121].view(3, 40), w, eps=1e-5)  # recorded 4 bytes off
+        plan = _only_plan(rmsnorm_mod)
+        fusetune.rmsnorm(base[:120].view(3, 40), w, eps=1e-5)  # Triton: the aligned kernel
+    assert plan.runs == 0 and k.slow == 2
+
+
+def test_a_wrapping_observer_and_pre_run_hooks_take_tritons_path(
+        fake: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner's launch observer wraps JITFunction.run with functools.wraps (Triton's name
+    kept): it must see every launch, the first and the repeated ones."""
+    k = fake(rmsnorm_mod, "_rmsnorm_kernel")
+    x, w = torch.randn(3, 40), torch.rand(40) + 0.5
+    real_run = JITFunction.run
+
+    @functools.wraps(real_run)
+    def observed_run(self: Any, *a: Any, **kw: Any) -> Any:
+        return real_run(self, *a, **kw)
+
+    with torch.no_grad():
+        fusetune.rmsnorm(x, w, eps=1e-5)
+        plan = _only_plan(rmsnorm_mod)
+        monkeypatch.setattr(JITFunction, "run", observed_run)
+        fusetune.rmsnorm(x, w, eps=1e-5)
+        # no replay, and the direct launch went through Triton's path (the fake's run)
+        assert plan.runs == 0 and k.slow == 2
+        monkeypatch.setattr(JITFunction, "run", real_run)
+        monkeypatch.setattr(k, "pre_run_hooks", [lambda *a, **kw: None])
+        fusetune.rmsnorm(x, w, eps=1e-5)
+        assert plan.runs == 0 and k.slow == 3  # both through Triton's path
+        monkeypatch.setattr(k, "pre_run_hooks", [])
+        fusetune.rmsnorm(x, w, eps=1e-5)
+    assert plan.runs == 1
+
+
+def test_no_plan_for_an_output_no_launch_writes() -> None:
+    rec = _replay.Recording()
+    x, out, other = torch.randn(4), torch.empty(4), torch.empty(4)
+    rec.devices.add(0)
+    rec.launches.append((None, "kernel", (1, 1, 1), (x, 4)))  # reads x; out is never written
+    assert _replay.Plan.build(rec, [x], out) is None
+    rec.launches.append((None, "kernel", (1, 1, 1), (x, out, 4)))
+    plan = _replay.Plan.build(rec, [x], out)
+    assert plan is not None and plan.uses == [(0, 0), (1, 0)]
+    assert _replay.Plan.build(rec, [x], (out, other)) is None
+
+
+def test_a_decision_made_before_tables_were_loaded_is_not_kept(fresh_tables: None) -> None:
+    since = linear_mod._MEMO.generation()
+    fusetune.tables.reset()  # e.g. load_tables on another thread, between lookup and keep
+    linear_mod._MEMO.keep(("key",), ("config", None), since)
+    assert ("key",) not in linear_mod._MEMO
+    linear_mod._MEMO.keep(("key",), ("config", None), linear_mod._MEMO.generation())
+    assert linear_mod._MEMO[("key",)] == ("config", None)
 
 
 def test_no_plan_where_a_replay_could_differ(fake: Any) -> None:

@@ -17,6 +17,7 @@ import torch
 
 _MAX_ENTRIES = 1024  # per launcher: beyond it (a run of many shapes) the memo starts afresh
 _memos: list[CallMemo] = []
+_generation = 0  # counts clear_all calls: an entry decided before the last one is not kept
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple[Any, ...] | None:
@@ -37,7 +38,15 @@ class CallMemo(dict):  # type: ignore[type-arg]
         gradient can be asked for."""
         return config is None and not torch.is_grad_enabled()
 
-    def keep(self, key: tuple[Any, ...], value: Any) -> Any:
+    @staticmethod
+    def generation() -> int:
+        """Taken before a call's lookup and handed to `keep`: tables loaded (and the memos
+        cleared) in between, by another thread, make the decision stale."""
+        return _generation
+
+    def keep(self, key: tuple[Any, ...], value: Any, since: int) -> Any:
+        if since != _generation:
+            return value
         if len(self) >= _MAX_ENTRIES:
             self.clear()
         self[key] = value
@@ -45,5 +54,7 @@ class CallMemo(dict):  # type: ignore[type-arg]
 
 
 def clear_all() -> None:
+    global _generation
+    _generation += 1
     for memo in _memos:
         memo.clear()

@@ -13,8 +13,9 @@ The first call of each key goes through Triton's path (which compiles where need
 does every call where the short path cannot tell what Triton would do: under the interpreter,
 with a pre-run hook, an argument that is not a tensor, number, bool or None (a TMA
 descriptor), or a Triton whose launch call is not the one this module was written against.
-So does every call while something observes Triton's launches by wrapping `JITFunction.run`
-(the tuner reads each config's registers and spills that way): it sees every launch.
+So does every call while something observes Triton's launches by replacing or wrapping
+`JITFunction.run` (the tuner reads each config's registers and spills, and compiles without
+running, that way; `_replay.launches_watched`): it sees every launch.
 
 Each launch is also noted for `_replay`, which repeats a launcher's launches for a call
 signature it has recorded; a launch left to Triton's path leaves the call without a replay.
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fusetune.kernels._replay import note_launch, note_unrecordable
+from fusetune.kernels._replay import launches_watched, note_launch, note_unrecordable
 
 # Triton releases whose JITFunction.run ends in the launch call made below (read and checked
 # against their sources): kernel.run(grid_0, grid_1, grid_2, stream, function,
@@ -83,8 +84,7 @@ class DirectLaunch:
     def launch(self, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
                ) -> None:
         fn = self.fn
-        if (not self.enabled or fn.pre_run_hooks
-                or self._jit.run.__qualname__ != "JITFunction.run"):  # observed: Triton's path
+        if not self.enabled or fn.pre_run_hooks or launches_watched(self._jit):  # Triton's path
             note_unrecordable()
             fn[grid](*args, **kwargs)
             return
@@ -105,11 +105,11 @@ class DirectLaunch:
             # the keyword values are part of the key: the tail is fixed per entry
             entry = self.kernels[key] = (kernel, tuple(kwargs[n] if n in kwargs
                                                        else self.defaults[n] for n in tail))
-            note_launch(device, kernel, grid, args + entry[1])
+            note_launch(device, fn, kernel, grid, args + entry[1])
             return
         kernel, tail = entry
         values = args + tail
-        note_launch(device, kernel, grid, values)
+        note_launch(device, fn, kernel, grid, values)
         stream = active.get_current_stream(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1

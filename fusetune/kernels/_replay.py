@@ -21,9 +21,10 @@ A plan is made only where the replay is sure to do what the full path does:
 - scratch buffers are `scratch` allocations, whose content the launches write before they
   read it (split-K partial sums, a norm pass's rows).
 A replay declines (returns None, and the caller takes the full path) where Triton would pick
-another compiled kernel (a 16-byte-aligned address of the recording is not aligned now), on
-another current device, or while something watches Triton's launches (a launch hook, or a
-wrapped `JITFunction.run`).
+another compiled kernel (an address whose 16-byte alignment differs from the recording's; a
+launcher's choice of TMA descriptors follows it too), on another current device, while
+something watches Triton's launches (a launch hook, a kernel's pre-run hook, or a wrapped
+`JITFunction.run`), or inside another launcher's recording (whose plan must see every launch).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class Recording:
     turns False when a launch could not be noted."""
 
     def __init__(self) -> None:
-        self.launches: list[tuple[Any, tuple[int, int, int], tuple[Any, ...]]] = []
+        # (@triton.jit function, compiled kernel, grid, argument values) of each launch
+        self.launches: list[tuple[Any, Any, tuple[int, int, int], tuple[Any, ...]]] = []
         self.scratch: list[torch.Tensor] = []
         self.devices: set[int] = set()  # the current device at each launch
         self.ok = True
@@ -62,16 +64,16 @@ def recordings() -> list[Recording]:
     return stack
 
 
-def note_launch(device: int, kernel: Any, grid: tuple[int, ...], values: tuple[Any, ...]
-                ) -> None:
-    """Called by `_direct` for every launch it makes with the compiled `kernel` on `device`
-    (a no-op unless a recording is open)."""
+def note_launch(device: int, fn: Any, kernel: Any, grid: tuple[int, ...],
+                values: tuple[Any, ...]) -> None:
+    """Called by `_direct` for every launch it makes of the @triton.jit function `fn` with its
+    compiled `kernel` on `device` (a no-op unless a recording is open)."""
     stack = getattr(_local, "stack", None)
     if stack:
         g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         for rec in stack:
             rec.devices.add(device)
-            rec.launches.append((kernel, g, values))
+            rec.launches.append((fn, kernel, g, values))
 
 
 def note_unrecordable() -> None:
@@ -117,6 +119,14 @@ def triton_parts() -> tuple[Any, Any, Any]:
     return _parts
 
 
+def launches_watched(jit: Any) -> bool:
+    """Whether something observes Triton's launches by replacing `jit.run` (JITFunction's):
+    under another name, or as a functools.wraps wrapper keeping Triton's (the tuner's launch
+    observer). Triton's own run is a plain function."""
+    run = jit.run
+    return run.__qualname__ != "JITFunction.run" or hasattr(run, "__wrapped__")
+
+
 def _hooked(hook: Any) -> bool:
     """Whether a Triton launch hook is set: None, or a HookChain with no hook in it, is not."""
     return hook is not None and getattr(hook, "calls", None) != []
@@ -144,7 +154,7 @@ class Plan:
 
     def __init__(self, device: int, outputs: list[tuple[Any, ...]], single: bool,
                  scratch: list[tuple[Any, ...]], uses: list[tuple[int, int]],
-                 aligned: list[tuple[int, int]],
+                 alignment: list[tuple[int, int, bool]], fns: list[Any],
                  launches: list[tuple[Any, tuple[int, int, int], list[Any],
                                       tuple[tuple[int, int, int], ...]]]) -> None:
         self.device = device
@@ -152,7 +162,9 @@ class Plan:
         self.single = single  # the launcher returns one tensor (else a tuple)
         self.scratch = scratch  # (shape, dtype, device) of each scratch buffer
         self.uses = uses  # (source, index) of each tensor the launches read or write
-        self.aligned = aligned  # (use, offset) of each address that was 16-byte aligned
+        # (use, offset, whether 16-byte aligned) of each address: Triton specializes on it
+        self.alignment = alignment
+        self.fns = fns  # the @triton.jit functions launched (their pre-run hooks)
         # (kernel, grid, argument values (None at the tensors), (position, use, offset) slots)
         self.launches = launches
         self.runs = 0  # replays (for tests)
@@ -175,9 +187,9 @@ class Plan:
                     start = t.data_ptr()
                     regions.append((start, start + _extent(t), source, i))
         uses: dict[tuple[int, int], int] = {}
-        aligned: set[tuple[int, int]] = set()
+        alignment: set[tuple[int, int, bool]] = set()
         launches = []
-        for kernel, grid, values in rec.launches:
+        for _, kernel, grid, values in rec.launches:
             slots = []
             for pos, v in enumerate(values):
                 if not isinstance(v, torch.Tensor):
@@ -189,22 +201,25 @@ class Plan:
                 start, _, source, i = owners[0]
                 use = uses.setdefault((source, i), len(uses))
                 slots.append((pos, use, ptr - start))
-                if ptr % 16 == 0:
-                    aligned.add((use, ptr - start))
+                alignment.add((use, ptr - start, ptr % 16 == 0))
             # the template keeps no tensor of this call alive
             template = [None if isinstance(v, torch.Tensor) else v for v in values]
             launches.append((kernel, grid, template, tuple(slots)))
+        if any((_OUTPUT, i) not in uses for i in range(len(outputs))):
+            return None  # an output no launch writes: the full path fills it otherwise
+        fns = list({id(fn): fn for fn, _, _, _ in rec.launches}.values())
         return cls(next(iter(rec.devices)),
                    [(t.shape, t.stride(), t.dtype, t.device) for t in outputs], single,
                    [(t.shape, t.dtype, t.device) for t in rec.scratch], list(uses),
-                   sorted(aligned), launches)
+                   sorted(alignment), fns, launches)
 
     def run(self, inputs: Sequence[torch.Tensor | None]) -> Any:
         """The recorded call repeated on `inputs` (the same signature): its result, or None
         where the replay declines (see the module docstring)."""
         runtime, active, jit = triton_parts()
         if (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
-                or jit.run.__qualname__ != "JITFunction.run"):
+                or launches_watched(jit) or any(fn.pre_run_hooks for fn in self.fns)
+                or getattr(_local, "stack", None)):  # a recording open: its launches go there
             return None
         if active.get_current_device() != self.device:
             return None
@@ -214,9 +229,9 @@ class Plan:
                    for shape, dtype, device in self.scratch]
         sources = (inputs, outputs, scratch)
         ptrs = [sources[source][i].data_ptr() for source, i in self.uses]
-        for use, offset in self.aligned:
-            if (ptrs[use] + offset) % 16:
-                return None  # Triton would take a kernel compiled for unaligned addresses
+        for use, offset, aligned in self.alignment:
+            if ((ptrs[use] + offset) % 16 == 0) != aligned:
+                return None  # Triton would take another compiled kernel (and TMA another path)
         stream = active.get_current_stream(self.device)
         for kernel, (g0, g1, g2), template, slots in self.launches:
             values = template.copy()

@@ -234,6 +234,7 @@ def ffn(
     if fp8_activations:
         fp8.check_fp8_activations("ffn", weights, x.device)
     if config is None:
+        since = _MEMO.generation()
         from fusetune.runtime import cached_config
 
         m = x.numel() // d if d else 0
@@ -243,7 +244,7 @@ def ffn(
             out, plan = record(lambda: _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale,
                                             fp8_activations, cfg),
                                (x, rms_weight, w1, w3, w1_scale, w3_scale))
-            _MEMO.keep(memo_key, (cfg, plan))
+            _MEMO.keep(memo_key, (cfg, plan), since)
             return out
     else:
         cfg = SPEC.validate_config(config)

@@ -293,6 +293,7 @@ def linear(
     if fp8_activations:
         fp8.check_fp8_activations("linear", weights, x.device)
     if config is None:
+        since = _MEMO.generation()
         from fusetune.runtime import cached_config
 
         dims = (("bias", int(bias is not None)), ("dim", k), ("out", n),
@@ -304,7 +305,7 @@ def linear(
             out, plan = record(lambda: _run(x, weight, bias, residual, weight_scale,
                                             fp8_activations, cfg),
                                (x, weight, bias, residual, weight_scale))
-            _MEMO.keep(memo_key, (cfg, plan))
+            _MEMO.keep(memo_key, (cfg, plan), since)
             return out
     else:
         cfg = SPEC.validate_config(config)

@@ -396,6 +396,7 @@ def qkv(
     if fp8_activations:
         fp8.check_fp8_activations("qkv", weights, x.device)
     if config is None:
+        since = _MEMO.generation()
         from fusetune.runtime import cached_config
 
         dims = (("dim", d), ("head_dim", head_dim), ("interleaved", int(interleaved)),
@@ -408,7 +409,7 @@ def qkv(
                              (bq, bk, bv), (wq_scale, wk_scale, wv_scale), fp8_activations,
                              cfg),
                 (x, rms_weight, wq, wk, wv, cos, sin, bq, bk, bv, wq_scale, wk_scale, wv_scale))
-            _MEMO.keep(memo_key, (cfg, plan))
+            _MEMO.keep(memo_key, (cfg, plan), since)
             return out
     else:
         cfg = SPEC.validate_config(config)

@@ -149,13 +149,14 @@ def rmsnorm(
     dtype = dtype_name(x.dtype)
     dtype_name(weight.dtype)  # raises for weight dtypes the kernel cannot read
     if config is None:
+        since = _MEMO.generation()
         from fusetune.runtime import cached_config
 
         m = x.numel() // d if d else 0
         cfg = cached_config(SPEC, (("dim", d),), dtype, m, "", x.device)
         if memo_key is not None:
             out, plan = record(lambda: _run(x, weight, eps, cfg), (x, weight))
-            _MEMO.keep(memo_key, (cfg, plan))
+            _MEMO.keep(memo_key, (cfg, plan), since)
             return out
     else:
         cfg = SPEC.validate_config(config)
