@@ -17,7 +17,8 @@ A plan is made only where the replay is sure to do what the full path does:
 - every tensor argument lies in exactly one input, output or scratch buffer. A tensor the
   call makes with content (a contiguous copy, a bias of zeros) is none of these, and a call
   whose inputs overlap (x passed as the residual too) cannot tell them apart: no plan;
-- outputs are fresh dense tensors the replay can allocate the same way;
+- outputs are fresh dense tensors the replay can allocate the same way, each written by a
+  launch;
 - scratch buffers are `scratch` allocations, whose content the launches write before they
   read it (split-K partial sums, a norm pass's rows).
 A replay declines (returns None, and the caller takes the full path) where Triton would pick
