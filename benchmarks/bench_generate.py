@@ -107,21 +107,34 @@ def run_case(model: Any, ids: torch.Tensor, new: int, static: bool, repeat: int,
             "total_s": total}
 
 
+def kernel_us(prof: Any) -> float:
+    """GPU time (µs) of the kernels and copies a torch.profiler run saw: the device's own
+    events only (a torch op's row repeats the time of the kernels it launched, and a compiled
+    graph's call that of its whole replay)."""
+    from torch.autograd import DeviceType
+
+    return sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()
+               if e.device_type == DeviceType.CUDA)
+
+
 def profile(model: Any, ids: torch.Tensor, static: bool, case: str) -> None:
     """Where a generate() of 8 new tokens spends its time: the GPU time of its kernels, largest
     first, their sum beside the wall time (a decode step whose GPU is idle part of the time is
-    bound by the CPU), and the CPU time by Python function (cProfile, cumulative)."""
+    bound by the CPU, or waits for generate()'s own work between steps), the same per decode
+    step (a generate() of one new token, the prefill alone, subtracted; with the static cache
+    that one more length compiles once more), and the CPU time by Python function (cProfile,
+    cumulative)."""
     import cProfile
     import pstats
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    kw: dict[str, Any] = dict(do_sample=False, min_new_tokens=8, max_new_tokens=8,
-                              attention_mask=torch.ones_like(ids))
-    if static:
-        kw["cache_implementation"] = "static"
-    with torch.inference_mode():
+    def run(new: int) -> tuple[float, float, Any]:
+        kw: dict[str, Any] = dict(do_sample=False, min_new_tokens=new, max_new_tokens=new,
+                                  attention_mask=torch.ones_like(ids))
+        if static:
+            kw["cache_implementation"] = "static"
         model.generate(ids, **kw)  # compiled, cached, warm
         sync()
         t0 = time.perf_counter()
@@ -131,12 +144,22 @@ def profile(model: Any, ids: torch.Tensor, static: bool, case: str) -> None:
         with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             model.generate(ids, **kw)
             sync()
-    events = prof.key_averages()
-    gpu_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
-                 for e in events)
+        return wall, kernel_us(prof), prof
+
+    with torch.inference_mode():
+        wall1, gpu1, _ = run(1)
+        wall, gpu_us, prof = run(8)
+    step_wall, step_gpu = (wall - wall1) / 7, (gpu_us - gpu1) / 7
     print(f"-- {case}: generate() of 8 new tokens: {1e3 * wall:.1f} ms wall, kernels "
-          f"{gpu_us / 1e3:.1f} ms of GPU time ({100 * gpu_us / 1e6 / wall:.0f}% busy)")
-    print(events.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+          f"{gpu_us / 1e3:.1f} ms of GPU time ({100 * gpu_us / 1e6 / wall:.0f}% busy); a decode "
+          f"step (those of 8 tokens less the prefill's): {1e3 * step_wall:.2f} ms wall, kernels "
+          f"{step_gpu / 1e3:.2f} ms ({100 * step_gpu / 1e6 / step_wall:.0f}% busy)")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
+                                    max_name_column_width=60))
+    kw: dict[str, Any] = dict(do_sample=False, min_new_tokens=8, max_new_tokens=8,
+                              attention_mask=torch.ones_like(ids))
+    if static:
+        kw["cache_implementation"] = "static"
     pr = cProfile.Profile()
     with torch.inference_mode():
         pr.enable()
@@ -186,7 +209,8 @@ def main() -> int:
                          "(the model is upcast for that once: twice its memory)")
     ap.add_argument("--profile", action="store_true",
                     help="after each case, the GPU time of its kernels over a generate() of 8 "
-                         "new tokens (torch.profiler), largest first: where a decode step goes")
+                         "new tokens (torch.profiler), largest first, and per decode step: where a "
+                         "decode step goes")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a check of the flow through Triton's interpreter "
                          "(TRITON_INTERPRET=1; timings meaningless)")
