@@ -3,17 +3,23 @@
 A launcher checks its inputs (shapes, dtypes, devices, strides, eps, layout) and looks its
 config up on every call; at decode sizes that Python costs more than the kernel takes on the
 GPU. Both depend on nothing but the tensors' metadata and the call's other arguments (and the
-loaded tables), so a launcher keeps the config it resolved under a key of exactly those and a
-repeated call skips to the launch. A call with gradients enabled is checked in full every time
-(whether an input requires grad is not part of the key). `fusetune.runtime.reset` and
-`load_tables` clear every memo along with the lookup's own cache.
+loaded tables), so a launcher keeps the config it resolved under a key of exactly those, with
+the replay of the call's launches (_replay), and a repeated call skips to the launch: `repeat`
+on every call, `first` at the end of a call checked in full. A call with gradients enabled
+is checked in full every time (whether an input requires grad is not part of the key).
+`fusetune.runtime.reset` and `load_tables` clear every memo along with the lookup's own cache.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
+
+from fusetune.kernels._replay import record
+
+T = TypeVar("T")
 
 _MAX_ENTRIES = 1024  # per launcher: beyond it (a run of many shapes) the memo starts afresh
 _memos: list[CallMemo] = []
@@ -43,6 +49,26 @@ class CallMemo(dict):  # type: ignore[type-arg]
         """Taken before a call's lookup and handed to `keep`: tables loaded (and the memos
         cleared) in between, by another thread, make the decision stale."""
         return _generation
+
+    def repeat(self, key: tuple[Any, ...], inputs: Sequence[torch.Tensor | None],
+               run: Callable[[Any], T]) -> T | None:
+        """A call of `key` seen before: its launches replayed on `inputs` (_replay), or where
+        it has no replay (or the replay declines) run(config) with the kept config. None for a
+        key not seen yet: the caller checks the call in full and ends with `first`."""
+        kept = self.get(key)
+        if kept is None:
+            return None
+        config, plan = kept
+        out = None if plan is None else plan.run(inputs)
+        return out if out is not None else run(config)
+
+    def first(self, key: tuple[Any, ...], inputs: Sequence[torch.Tensor | None], config: Any,
+              since: int, run: Callable[[Any], T]) -> T:
+        """run(config), a call of `key` checked in full, recorded: the config and the replay
+        of its launches are kept (unless tables were loaded after `since`)."""
+        out, plan = record(lambda: run(config), inputs)
+        self.keep(key, (config, plan), since)
+        return out
 
     def keep(self, key: tuple[Any, ...], value: Any, since: int) -> Any:
         if since != _generation:

@@ -49,7 +49,7 @@ from fusetune.kernels._matmul_spec import (
     matmul_resources,
     weight_bytes,
 )
-from fusetune.kernels._replay import record, scratch
+from fusetune.kernels._replay import scratch
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -208,12 +208,14 @@ def ffn(
     if _MEMO.active(config):
         memo_key = (tensor_key(x), tensor_key(rms_weight), tensor_key(w1), tensor_key(w3),
                     tensor_key(w1_scale), tensor_key(w3_scale), eps, fp8_activations)
-        kept = _MEMO.get(memo_key)
-        if kept is not None:
-            cfg, plan = kept
-            out = None if plan is None else plan.run((x, rms_weight, w1, w3, w1_scale, w3_scale))
-            return out if out is not None else _run(x, rms_weight, w1, w3, eps, w1_scale,
-                                                    w3_scale, fp8_activations, cfg)
+        inputs = (x, rms_weight, w1, w3, w1_scale, w3_scale)
+
+        def run(cfg: Config) -> torch.Tensor:
+            return _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale, fp8_activations, cfg)
+
+        out = _MEMO.repeat(memo_key, inputs, run)
+        if out is not None:
+            return out
     if x.ndim < 1:
         raise ValueError("ffn: x must have at least one dimension")
     d = x.shape[-1]
@@ -241,11 +243,7 @@ def ffn(
         cfg = cached_config(SPEC, (("dim", d), ("hidden", w1.shape[0])), dtype, m, weights,
                             x.device, activations="fp8" if fp8_activations else "")
         if memo_key is not None:
-            out, plan = record(lambda: _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale,
-                                            fp8_activations, cfg),
-                               (x, rms_weight, w1, w3, w1_scale, w3_scale))
-            _MEMO.keep(memo_key, (cfg, plan), since)
-            return out
+            return _MEMO.first(memo_key, inputs, cfg, since, run)
     else:
         cfg = SPEC.validate_config(config)
     return _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale, fp8_activations, cfg)

@@ -67,7 +67,7 @@ from fusetune.kernels._matmul_spec import (
     matmul_resources,
     weight_bytes,
 )
-from fusetune.kernels._replay import record, scratch
+from fusetune.kernels._replay import scratch
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -257,12 +257,14 @@ def linear(
     if _MEMO.active(config):
         memo_key = (tensor_key(x), tensor_key(weight), tensor_key(bias), tensor_key(residual),
                     tensor_key(weight_scale), fp8_activations)
-        kept = _MEMO.get(memo_key)
-        if kept is not None:
-            cfg, plan = kept
-            out = None if plan is None else plan.run((x, weight, bias, residual, weight_scale))
-            return out if out is not None else _run(x, weight, bias, residual, weight_scale,
-                                                    fp8_activations, cfg)
+        inputs = (x, weight, bias, residual, weight_scale)
+
+        def run(cfg: Config) -> torch.Tensor:
+            return _run(x, weight, bias, residual, weight_scale, fp8_activations, cfg)
+
+        out = _MEMO.repeat(memo_key, inputs, run)
+        if out is not None:
+            return out
     if x.ndim < 1:
         raise ValueError("linear: x must have at least one dimension")
     k = x.shape[-1]
@@ -302,11 +304,7 @@ def linear(
         cfg = cached_config(SPEC, dims, dtype, m, weights, x.device,
                             activations="fp8" if fp8_activations else "")
         if memo_key is not None:
-            out, plan = record(lambda: _run(x, weight, bias, residual, weight_scale,
-                                            fp8_activations, cfg),
-                               (x, weight, bias, residual, weight_scale))
-            _MEMO.keep(memo_key, (cfg, plan), since)
-            return out
+            return _MEMO.first(memo_key, inputs, cfg, since, run)
     else:
         cfg = SPEC.validate_config(config)
     return _run(x, weight, bias, residual, weight_scale, fp8_activations, cfg)

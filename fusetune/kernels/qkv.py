@@ -61,7 +61,7 @@ from fusetune.kernels._matmul_spec import (
     matmul_resources,
     weight_bytes,
 )
-from fusetune.kernels._replay import record, scratch
+from fusetune.kernels._replay import scratch
 from fusetune.kernels._rotary import as_tables, check_tables, rotary_tables, rotated
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
@@ -348,14 +348,15 @@ def qkv(
                     interleaved, type(interleaved), tensor_key(bq), tensor_key(bk), tensor_key(bv),
                     tensor_key(wq_scale), tensor_key(wk_scale), tensor_key(wv_scale),
                     fp8_activations)
-        kept = _MEMO.get(memo_key)
-        if kept is not None:
-            cfg, plan = kept
-            out = None if plan is None else plan.run(
-                (x, rms_weight, wq, wk, wv, cos, sin, bq, bk, bv, wq_scale, wk_scale, wv_scale))
-            return out if out is not None else _run(
-                x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, interleaved, (bq, bk, bv),
-                (wq_scale, wk_scale, wv_scale), fp8_activations, cfg)
+        inputs = (x, rms_weight, wq, wk, wv, cos, sin, bq, bk, bv, wq_scale, wk_scale, wv_scale)
+
+        def run(cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return _run(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, interleaved,
+                        (bq, bk, bv), (wq_scale, wk_scale, wv_scale), fp8_activations, cfg)
+
+        out = _MEMO.repeat(memo_key, inputs, run)
+        if out is not None:
+            return out
     if x.ndim != 3:
         raise ValueError(f"qkv: x must be [batch, seq, dim], got shape {tuple(x.shape)}")
     bsz, seq, d = x.shape
@@ -404,13 +405,7 @@ def qkv(
         cfg = cached_config(SPEC, dims, dtype, bsz * seq, weights, x.device,
                             activations="fp8" if fp8_activations else "")
         if memo_key is not None:
-            out, plan = record(
-                lambda: _run(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, interleaved,
-                             (bq, bk, bv), (wq_scale, wk_scale, wv_scale), fp8_activations,
-                             cfg),
-                (x, rms_weight, wq, wk, wv, cos, sin, bq, bk, bv, wq_scale, wk_scale, wv_scale))
-            _MEMO.keep(memo_key, (cfg, plan), since)
-            return out
+            return _MEMO.first(memo_key, inputs, cfg, since, run)
     else:
         cfg = SPEC.validate_config(config)
     return _run(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, interleaved, (bq, bk, bv),

@@ -19,7 +19,7 @@ import triton.language as tl
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._call_memo import CallMemo, tensor_key
 from fusetune.kernels._direct import direct
-from fusetune.kernels._replay import record, scratch
+from fusetune.kernels._replay import scratch
 from fusetune.kernels._spec import (
     DTYPE_BYTES,
     Config,
@@ -129,11 +129,14 @@ def rmsnorm(
     memo_key = None
     if _MEMO.active(config):
         memo_key = (tensor_key(x), tensor_key(weight), eps)
-        kept = _MEMO.get(memo_key)
-        if kept is not None:
-            cfg, plan = kept
-            out = None if plan is None else plan.run((x, weight))
-            return out if out is not None else _run(x, weight, eps, cfg)
+        inputs = (x, weight)
+
+        def run(cfg: Config) -> torch.Tensor:
+            return _run(x, weight, eps, cfg)
+
+        out = _MEMO.repeat(memo_key, inputs, run)
+        if out is not None:
+            return out
     if x.ndim < 1:
         raise ValueError("rmsnorm: x must have at least one dimension")
     d = x.shape[-1]
@@ -155,9 +158,7 @@ def rmsnorm(
         m = x.numel() // d if d else 0
         cfg = cached_config(SPEC, (("dim", d),), dtype, m, "", x.device)
         if memo_key is not None:
-            out, plan = record(lambda: _run(x, weight, eps, cfg), (x, weight))
-            _MEMO.keep(memo_key, (cfg, plan), since)
-            return out
+            return _MEMO.first(memo_key, inputs, cfg, since, run)
     else:
         cfg = SPEC.validate_config(config)
     return _run(x, weight, eps, cfg)
