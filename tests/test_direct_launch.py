@@ -77,6 +77,22 @@ def test_repeated_launch_skips_the_binding(launcher: Any) -> None:
     assert values[:5] == [x, y, 32, 2e-5, True] and values[5] == 16
 
 
+def test_a_set_launch_hook_is_handed_to_the_launch(launcher: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton import knobs
+
+    x, y = torch.zeros(64), torch.zeros(64)
+    for _ in range(2):  # Triton's path, then the short one
+        launcher[(1,)](x, y, 32, 1e-5, FLAG=True)
+    assert launcher.fn.kernel.launches[-1][6:9] == (None, None, None)  # no hook, no metadata
+    enter = knobs.runtime.launch_enter_hook
+    if not hasattr(enter, "calls"):
+        pytest.skip("this Triton's launch hooks are not chains")
+    monkeypatch.setattr(enter, "calls", [print])  # e.g. a profiler's
+    launcher[(1,)](x, y, 32, 1e-5, FLAG=True)
+    assert launcher.fn.kernel.launches[-1][7] is enter
+
+
 @pytest.mark.parametrize("change", ["alignment", "int_one", "int_not_16", "int_64_bits",
                                     "dtype", "constexpr", "options"])
 def test_another_specialization_takes_tritons_path(launcher: Any, change: str) -> None:

@@ -27,7 +27,12 @@ from typing import Any
 
 import torch
 
-from fusetune.kernels._replay import launches_watched, note_launch, note_unrecordable
+from fusetune.kernels._replay import (
+    hook_set,
+    launches_watched,
+    note_launch,
+    note_unrecordable,
+)
 
 # Triton releases whose JITFunction.run ends in the launch call made below (read and checked
 # against their sources): kernel.run(grid_0, grid_1, grid_2, stream, function,
@@ -114,9 +119,13 @@ class DirectLaunch:
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         runtime = self._knobs.runtime
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata,
-                   kernel.launch_metadata(grid, stream, *values), runtime.launch_enter_hook,
-                   runtime.launch_exit_hook, *values)
+        enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if hook_set(enter) or hook_set(exit_):
+            kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata,
+                       kernel.launch_metadata(grid, stream, *values), enter, exit_, *values)
+        else:  # no hook to hand launch metadata to (Triton 3.6+ keeps empty hook chains)
+            kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None,
+                       None, None, *values)
         self.hits += 1
 
 

@@ -128,7 +128,7 @@ def launches_watched(jit: Any) -> bool:
     return run.__qualname__ != "JITFunction.run" or hasattr(run, "__wrapped__")
 
 
-def _hooked(hook: Any) -> bool:
+def hook_set(hook: Any) -> bool:
     """Whether a Triton launch hook is set: None, or a HookChain with no hook in it, is not."""
     return hook is not None and getattr(hook, "calls", None) != []
 
@@ -218,7 +218,7 @@ class Plan:
         """The recorded call repeated on `inputs` (the same signature): its result, or None
         where the replay declines (see the module docstring)."""
         runtime, active, jit = triton_parts()
-        if (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
+        if (hook_set(runtime.launch_enter_hook) or hook_set(runtime.launch_exit_hook)
                 or launches_watched(jit) or any(fn.pre_run_hooks for fn in self.fns)
                 or getattr(_local, "stack", None)):  # a recording open: its launches go there
             return None
