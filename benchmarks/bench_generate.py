@@ -92,12 +92,19 @@ def timed(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(times)
 
 
-def run_case(model: Any, ids: torch.Tensor, new: int, static: bool, repeat: int,
-             ttft: bool = True) -> dict[str, float]:
+def generate_kwargs(ids: torch.Tensor, new: int, static: bool) -> dict[str, Any]:
+    """generate()'s arguments for exactly `new` greedy tokens after the prompts `ids`, with the
+    static (compiled) cache where `static`."""
     kw: dict[str, Any] = dict(do_sample=False, min_new_tokens=new, max_new_tokens=new,
                               attention_mask=torch.ones_like(ids))
     if static:
         kw["cache_implementation"] = "static"
+    return kw
+
+
+def run_case(model: Any, ids: torch.Tensor, new: int, static: bool, repeat: int,
+             ttft: bool = True) -> dict[str, float]:
+    kw = generate_kwargs(ids, new, static)
     with torch.inference_mode():
         total = timed(lambda: model.generate(ids, **kw), repeat)
         first = (timed(lambda: model.generate(ids, **{**kw, "min_new_tokens": 1,
@@ -131,10 +138,7 @@ def profile(model: Any, ids: torch.Tensor, static: bool, case: str) -> None:
     from torch.profiler import profile as torch_profile
 
     def run(new: int) -> tuple[float, float, Any]:
-        kw: dict[str, Any] = dict(do_sample=False, min_new_tokens=new, max_new_tokens=new,
-                                  attention_mask=torch.ones_like(ids))
-        if static:
-            kw["cache_implementation"] = "static"
+        kw = generate_kwargs(ids, new, static)
         model.generate(ids, **kw)  # compiled, cached, warm
         sync()
         t0 = time.perf_counter()
@@ -156,14 +160,10 @@ def profile(model: Any, ids: torch.Tensor, static: bool, case: str) -> None:
           f"{step_gpu / 1e3:.2f} ms ({100 * step_gpu / 1e6 / step_wall:.0f}% busy)")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
                                     max_name_column_width=60))
-    kw: dict[str, Any] = dict(do_sample=False, min_new_tokens=8, max_new_tokens=8,
-                              attention_mask=torch.ones_like(ids))
-    if static:
-        kw["cache_implementation"] = "static"
     pr = cProfile.Profile()
     with torch.inference_mode():
         pr.enable()
-        model.generate(ids, **kw)
+        model.generate(ids, **generate_kwargs(ids, 8, static))
         sync()
         pr.disable()
     print(f"-- {case}: CPU time by function over the same generate() (cProfile, which adds "
