@@ -28,7 +28,7 @@ from fusetune.kernels._spec import Point
 IMPLS = ("lookup", "default", "search")
 # Held-out shapes: dims of models no shipped table holds.
 SHAPES = ("ffn:dim=5120,hidden=13824 ffn:dim=3072,hidden=8192 ffn:dim=3584,hidden=14336 "
-          "ffn:dim=5120,hidden=14336 ffn:dim=3584,hidden=18944 "
+          "ffn:dim=5120,hidden=14336 ffn:dim=2048,hidden=11008 "
           "qkv:dim=5120,head_dim=128,interleaved=0,n_heads=40,n_kv_heads=8 "
           "qkv:dim=3072,head_dim=96,interleaved=0,n_heads=32,n_kv_heads=32 "
           "qkv:dim=3584,head_dim=256,interleaved=0,n_heads=16,n_kv_heads=8")

@@ -43,7 +43,9 @@ def resolve(dim: int, hidden: int, rows: int) -> Any:
                             gpu="h100", warn=False)
 
 
-def test_sources_exact_rows_nearby_default(tmp_path: Path, fresh_tables: None) -> None:
+def test_sources_exact_rows_nearby_default(tmp_path: Path, fresh_tables: None,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "_shipped", runtime.Tables())  # this table's entries only
     fusetune.load_tables(table(tmp_path, [
         ffn_entry(4096, 14336, 1, GEMV, time_us=80.0, default_us=90.0),
         ffn_entry(4096, 14336, 64, TILES, time_us=100.0, default_us=150.0)]))
@@ -97,9 +99,11 @@ def test_nearby_skips_tiles_that_overhang_the_point(tmp_path: Path, fresh_tables
     assert resolve(5120, 14336, 1).source == "nearby"
 
 
-def test_a_marginal_entry_answers_with_the_default(tmp_path: Path, fresh_tables: None) -> None:
+def test_a_marginal_entry_answers_with_the_default(tmp_path: Path, fresh_tables: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # An entry whose winner did not beat the default beyond the timings' spread: the point is
     # tuned (exact, or rows for fewer rows), marked marginal, and the default heuristic runs.
+    monkeypatch.setattr(runtime, "_shipped", runtime.Tables())  # this table's entries only
     fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 1, GEMV),
                                           ffn_entry(4096, 14336, 64, TILES, time_us=100.0,
                                                     default_us=101.0, marginal=True)]))
@@ -116,8 +120,8 @@ def test_a_marginal_entry_answers_with_the_default(tmp_path: Path, fresh_tables:
     tuned = resolve(4096, 14336, 1)  # the entry beside it is not marginal: its config runs
     assert (tuned.source, tuned.marginal) == ("exact", False)
     assert tuned.config == FFN.validate_config(GEMV)
-    lent = resolve(3584, 18944, 64)  # nor does it lend its config (a shipped entry may)
-    assert lent.dims is None or dict(lent.dims) != {"dim": 4096, "hidden": 14336}
+    lent = resolve(3584, 18944, 64)  # nor does it lend its config to other dims
+    assert (lent.source, lent.dims) == ("default", None)
     bad = table(tmp_path, [ffn_entry(4096, 14336, 64, TILES, marginal="yes")])
     with pytest.raises(fusetune.TableError, match=r"marginal='yes' must be true or false"):
         fusetune.load_tables(bad)
