@@ -61,6 +61,11 @@ SPEC = KernelSpec(
 )
 
 
+def nap() -> None:
+    """A child process's whole work (this module's imports, torch's among them, come first)."""
+    time.sleep(0.5)
+
+
 def point() -> Point:
     return Point.make("fake", {"dim": 16}, 1, 4, "float32")
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
-from fake_kernels import MODES, SPEC, point
+from fake_kernels import MODES, SPEC, nap, point
 
 from fusetune import gpus
 from fusetune.db.store import Store
 from fusetune.tuner.bench import Outcome
+from fusetune.tuner.children import start_child
 from fusetune.tuner.search import open_storage
 from fusetune.tuner.space import Param, SearchSpace
 from fusetune.tuner.study import Context, PointTuner, SearchOptions
@@ -83,3 +87,22 @@ def test_a_search_over_bad_configs_ends_with_the_right_winner(tmp_path: Path) ->
     assert statuses == {1: "ok", 2: "crashed", 3: "timeout", 4: "runtime_error",
                         5: "wrong_result", 6: "crashed"}
     assert res.winner == cfg(1)
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signals")
+def test_a_starting_child_outlives_ctrl_c() -> None:
+    # Ctrl-C signals the whole process group: a child still importing torch died of it (and
+    # printed a traceback); started by start_child, it goes on, and the parent stops it.
+    spawn = mp.get_context("spawn")
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # else children ignore it anyway
+        plain = spawn.Process(target=nap)
+        plain.start()
+        os.kill(plain.pid, signal.SIGINT)
+        plain.join(timeout=60)
+        assert plain.exitcode != 0  # the signal does reach a child started plainly
+    child = spawn.Process(target=nap)
+    start_child(child)
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # restored here
+    os.kill(child.pid, signal.SIGINT)
+    child.join(timeout=60)
+    assert child.exitcode == 0

@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from fusetune.kernels._spec import Config, KernelSpec, Point
+from fusetune.tuner.children import death, start_child
 from fusetune.tuner.space import config_key
 
 # What became of a config handed to `CompileAhead.submit` (see `CompileAhead.wait`).
@@ -164,16 +165,6 @@ def _serve(conn: Connection, spec_ref: str, device: str, compiler_ref: str) -> N
             reply = ("done", key, FAILED, _one_line(exc), time.perf_counter() - t0)
         _release_memory(device)
         conn.send(reply)
-
-
-def _death(proc: mp.process.BaseProcess) -> str:
-    code = proc.exitcode
-    if code is not None and code < 0:
-        try:
-            return f"compile process killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"compile process killed by signal {-code}"
-    return f"compile process exited with code {code}"
 
 
 @dataclass
@@ -391,7 +382,7 @@ class CompileAhead:
         proc = self._ctx.Process(target=_serve, args=(child, self.spec_ref, self.device,
                                                       self.compiler_ref),
                                  daemon=True, name="fusetune-compile")
-        proc.start()
+        start_child(proc)
         child.close()
         slot.proc, slot.conn, slot.ready = proc, parent, False
 
@@ -418,7 +409,7 @@ class CompileAhead:
         except (EOFError, OSError):
             assert slot.proc is not None
             slot.proc.join(timeout=1)
-            self._lost(slot, CRASHED, _death(slot.proc))
+            self._lost(slot, CRASHED, death(slot.proc, "the compile process"))
             return
         if msg[0] == "ready":
             slot.ready = True

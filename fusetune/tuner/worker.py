@@ -20,6 +20,7 @@ from typing import Any
 
 from fusetune.kernels._spec import Config, KernelSpec, Point
 from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
+from fusetune.tuner.children import death, start_child
 
 EXIT_DEVICE_LOST = 3
 CANCEL_POLL_S = 0.1  # how often a call waiting for the worker looks whether it was cancelled
@@ -74,18 +75,6 @@ def _serve(conn: Connection, spec_ref: str, backend: str, device: str) -> None:
 LOAD_TIMEOUT_S = 120.0
 
 
-def _death(proc: mp.process.BaseProcess) -> str:
-    code = proc.exitcode
-    if code is None:
-        return "the worker stopped answering"
-    if code < 0:
-        try:
-            return f"the worker was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"the worker was killed by signal {-code}"
-    return f"the worker exited with code {code}"
-
-
 class Worker:
     """One worker process for one device; restarted after a crash or a timeout.
 
@@ -124,7 +113,7 @@ class Worker:
         proc = self._ctx.Process(target=_serve, args=(child, self.spec_ref, self.backend,
                                                       self.device), daemon=True,
                                  name="fusetune-worker")
-        proc.start()
+        start_child(proc)
         child.close()
         self._proc, self._conn = proc, parent
         if self._point is not None:
@@ -161,7 +150,7 @@ class Worker:
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError):
             pass
         self._proc.join(timeout=1)
-        self._last_death = _death(self._proc)
+        self._last_death = death(self._proc, "the worker")
         return None
 
     _last_death = ""
