@@ -15,7 +15,8 @@
 # rows), generate (bench_generate: Llama-3-8B, batch 1,8 x prompt 128,1024; needs
 # transformers, pip install 'fusetune[hf]'). The inference kernel steps take about 15 minutes
 # (the training steps are not yet timed), generate longer. Not in the default list: devices
-# (needs two GPUs or more of one model) and compile_ahead (several minutes of compiling).
+# (needs two GPUs or more of one model), compile_ahead (several minutes of compiling) and
+# tables (bench_tables: every table entry of this GPU against the default, 5-10 minutes).
 # DTYPE: the activations of the matmul and RoPE steps (default float16; linear, the training
 # steps and generate: bfloat16). Each step's output goes to $OUT (default ./bench_out) as
 # NAME.log, and its table as NAME.md / NAME.json (generate: the table in its log, rows in
@@ -78,7 +79,8 @@ for s in ${STEPS:-$all_steps generate}; do
                2>&1 | tee "$out/devices.log" ;;
     compile_ahead) step compile_ahead 600 bench_compile_ahead --mode search --trials 16 \
                      --time-cap 60 ;;
+    tables) step tables 1200 bench_tables --rounds 3 ;;
     *) echo "unknown step $s (valid: decode decode_fp8 ffn qkv lola linear rope rope_bwd" \
-         "swiglu swiglu_bwd rmsnorm rmsnorm_bwd fp8 generate devices compile_ahead)"; exit 2 ;;
+         "swiglu swiglu_bwd rmsnorm rmsnorm_bwd fp8 generate devices compile_ahead tables)"; exit 2 ;;
   esac
 done

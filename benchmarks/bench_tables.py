@@ -1,0 +1,286 @@
+"""Every table entry of this GPU against the default heuristic, re-timed in one run: whether the
+configs the tables hold still beat the default on this machine.
+
+The entries are those the lookup reads for this GPU (--tables first, then the shipped tables;
+an entry of one lookup key once), narrowed by --kernel, --model (the points fusetune.patch
+launches in that model), --weights and --rows. For each entry, on its own point: the entry's
+config and the default heuristic's are checked against the kernel's reference, then timed as
+the search times them (do_bench with the L2 flushed; CUDA-graph replays where the kernels are
+short), in interleaved rounds. Verdicts use the export's rule for `marginal`: `slower` where the
+entry's median exceeds the default's by more than the larger of their p20-p80 spreads,
+`faster` where it is below by more, else `even`. Marginal entries (the lookup runs the default
+there) are timed as well, their winner against the default. Configs compile first in parallel
+processes (--jobs) into Triton's on-disk cache, which the timing process then loads.
+
+`--device cpu` runs the flow on Triton's interpreter (the interpreter's tables, small dims;
+timings meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.script_args import doc_summary
+
+ROUNDS = 3
+
+
+@dataclass
+class Entry:
+    kernel: str
+    dims: tuple[tuple[str, int], ...]
+    dtype: str
+    rows: int
+    weights: str
+    activations: str
+    config: dict[str, int]
+    marginal: bool
+    default: dict[str, int] = field(default_factory=dict)
+    times: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        mode = "".join(f", {m}" for m in (self.weights, self.activations and
+                                          f"{self.activations} activations") if m)
+        dims = ",".join(f"{k}={v}" for k, v in self.dims)
+        return f"{self.kernel} {dims}, {self.dtype}{mode}, {self.rows} rows"
+
+    def point(self) -> Any:
+        from fusetune.kernels._spec import Point
+
+        return Point.make(self.kernel, dict(self.dims), self.rows, 1, self.dtype, self.weights,
+                          self.activations)
+
+
+def entries(gpu: str, kernels: list[str], model: str | None, weights: str | None,
+            rows: set[int] | None) -> list[Entry]:
+    """The entries the lookup reads for `gpu`, narrowed as the command line asks."""
+    import fusetune
+    from fusetune.kernels import get_spec
+    from fusetune.models import load_model, patched_dims
+    from fusetune.runtime import tuned_entries
+
+    wanted: dict[str, list[tuple[tuple[str, int], ...]]] | None = None
+    if model is not None:
+        wanted = {k: [tuple(sorted(d.items())) for d in ds]
+                  for k, ds in patched_dims(load_model(model)).items()}
+    out: dict[tuple[Any, ...], Entry] = {}
+    for kernel in kernels:
+        spec = get_spec(kernel)
+        if wanted is not None and kernel not in wanted:
+            continue
+        formats = ["", *spec.weight_formats]
+        for w in formats:
+            if weights is not None and w != weights:
+                continue
+            for a in ("", "fp8") if w.startswith("fp8") else ("",):
+                for dims, dtype, r, config in tuned_entries(spec, gpu, w, a):
+                    key = (kernel, dims, dtype, w, a, r)
+                    if key in out or (rows is not None and r not in rows) or (
+                            wanted is not None and dims not in wanted[kernel]):
+                        continue  # a key's first entry is the one the lookup reads
+                    res = fusetune.resolve(kernel, dict(dims), dtype, rows=r, weights=w,
+                                           activations=a, gpu=gpu, warn=False)
+                    out[key] = Entry(kernel, dims, dtype, r, w, a, dict(config),
+                                     res.source == "exact" and res.marginal)
+    return list(out.values())
+
+
+def _compile(kernel: str, point: Any, configs: list[dict[str, int]], device: str
+             ) -> list[str]:
+    """In a compile process: each config of `point` compiled into Triton's cache (not run);
+    the errors, one line each (the timing process reports them again as it checks)."""
+    import torch
+
+    from fusetune.kernels import get_spec
+    from fusetune.tuner.compile_ahead import warmup_compiler
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    compile_config = warmup_compiler(get_spec(kernel), point, device)
+    errors = []
+    for c in configs:
+        try:
+            compile_config(c)
+        except Exception as exc:  # reported by the check in the timing process
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
+def compile_all(todo: list[Entry], device: str, jobs: int) -> None:
+    """Every entry's two configs compiled in `jobs` processes before anything is timed."""
+    if jobs <= 0 or not device.startswith("cuda"):
+        return
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(_compile, e.kernel, e.point(), [e.config, e.default], device)
+                   for e in todo]
+        failed = sum(bool(f.result()) for f in futures)
+    print(f"compiled {2 * len(todo)} configs in {jobs} processes: "
+          f"{time.perf_counter() - t0:.0f} s ({failed} entries with a config that failed)",
+          file=sys.stderr)
+
+
+def verdict(e: Entry) -> str:
+    if e.failed:
+        return "failed"
+    (_, tuned, _), (_, default, _) = (median3(e.times["entry"]), median3(e.times["default"]))
+    noise = max(spread(e.times["entry"]), spread(e.times["default"]))
+    if tuned - default > noise:
+        return "slower"
+    return "faster" if default - tuned > noise else "even"
+
+
+def median3(qs: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Per quantile (p20, p50, p80), the median over the rounds."""
+    p20, p50, p80 = (statistics.median(q[i] for q in qs) for i in range(3))
+    return p20, p50, p80
+
+
+def spread(qs: list[tuple[float, float, float]]) -> float:
+    p20, _, p80 = median3(qs)
+    return p80 - p20
+
+
+def measure(todo: list[Entry], backend: str, device: str, rounds: int) -> None:
+    """Checks and times each entry's config and the default's, interleaved, point by point
+    (one point's inputs on the device at a time)."""
+    from fusetune.kernels import get_spec
+    from fusetune.tuner.bench import Evaluator
+
+    for i, e in enumerate(todo):
+        ev = Evaluator(get_spec(e.kernel), e.point(), backend, device)
+        configs = {"entry": e.config, "default": e.default}
+        for name, c in configs.items():
+            out = ev.check(c)
+            if not out.ok:
+                e.failed[name] = f"{out.status}: {out.reason}"
+        if not e.failed:
+            e.times = {name: [] for name in configs}
+            for _ in range(rounds):
+                for name, c in configs.items():
+                    q = ev.timing(c)
+                    if not isinstance(q, tuple):
+                        e.failed[name] = f"{q.status}: {q.reason}"
+                        break
+                    e.times[name].append(q)
+                if e.failed:
+                    break
+        del ev
+        print(f"[{i + 1}/{len(todo)}] {e.label}: {verdict(e)}", file=sys.stderr)
+
+
+def report(todo: list[Entry], gpu: Any, device: str, markdown: str | None,
+           json_path: str | None) -> int:
+    import torch
+    import triton
+
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else "Triton interpreter"
+    lines = [f"GPU {name} ({gpu.name}), torch {torch.__version__}, Triton {triton.__version__}; "
+             "µs: medians over the rounds of do_bench's p50 (L2 flushed); verdict against the "
+             "larger p20-p80 spread of the two", "",
+             "| entry | marginal | entry µs | default µs | entry / default | verdict |",
+             "|---|---|---:|---:|---:|---|"]
+    groups: dict[tuple[str, str], Counter[str]] = {}
+    for e in todo:
+        v = verdict(e)
+        groups.setdefault((e.kernel, e.weights or e.dtype), Counter())[v] += 1
+        if e.failed:
+            why = "; ".join(f"{k}: {w}" for k, w in e.failed.items())
+            lines.append(f"| {e.label} | {'yes' if e.marginal else ''} | – | – | – | failed: "
+                         f"{why} |")
+            continue
+        t, d = median3(e.times["entry"])[1], median3(e.times["default"])[1]
+        lines.append(f"| {e.label} | {'yes' if e.marginal else ''} | {t:.2f} | {d:.2f} | "
+                     f"{t / d:.3f} | {v} |")
+    lines += ["", "| kernel | weights | entries | faster | even | slower | failed |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    total: Counter[str] = Counter()
+    for (kernel, w), c in sorted(groups.items()):
+        total += c
+        lines.append(f"| {kernel} | {w} | {sum(c.values())} | {c['faster']} | {c['even']} | "
+                     f"{c['slower']} | {c['failed']} |")
+    lines.append(f"| all | | {sum(total.values())} | {total['faster']} | {total['even']} | "
+                 f"{total['slower']} | {total['failed']} |")
+    text = "\n".join(lines)
+    print(text)
+    if markdown:
+        Path(markdown).write_text(text + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(
+            [{"kernel": e.kernel, "dims": dict(e.dims), "dtype": e.dtype, "rows": e.rows,
+              "weights": e.weights, "activations": e.activations, "marginal": e.marginal,
+              "config": e.config, "default_config": e.default, "times": e.times,
+              "failed": e.failed, "verdict": verdict(e)} for e in todo], indent=1))
+    return 1 if total["slower"] or total["failed"] else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__ or ""))
+    ap.add_argument("--tables", help="a table file read before the shipped tables")
+    ap.add_argument("--kernel", default="all",
+                    help="kernels, comma-separated (default: every kernel with entries)")
+    ap.add_argument("--model", help="only the points fusetune.patch launches in this model "
+                                    "(a preset or a Hugging Face config.json)")
+    ap.add_argument("--weights", help="only this weight format ('' for 16-bit, fp8-e4m3, ...)")
+    ap.add_argument("--rows", help="only these row counts, comma-separated")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved timing rounds")
+    ap.add_argument("--jobs", type=int, default=8,
+                    help="processes that compile the configs first (0: the timing process "
+                         "compiles each as it checks it)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: the flow on Triton's interpreter (set TRITON_INTERPRET=1)")
+    ap.add_argument("--markdown", help="write the table here too")
+    ap.add_argument("--json", help="write every entry's timings here")
+    args = ap.parse_args()
+
+    import fusetune
+    from fusetune import gpus
+    from fusetune.kernels import REGISTRY, get_spec
+    from fusetune.tables import gpu_for_device
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)", file=sys.stderr)
+            return 2
+        gpu, backend = gpu_for_device(torch.device("cuda")), "cuda"
+    else:
+        gpu, backend = gpus.resolve("interpreter"), "interpreter"
+    if args.tables:
+        fusetune.load_tables(args.tables)
+    kernels = list(REGISTRY) if args.kernel == "all" else args.kernel.split(",")
+    try:
+        for k in kernels:
+            get_spec(k)  # an unknown name: the registry's error names the valid ones
+        rows = None if args.rows is None else {int(r) for r in args.rows.split(",")}
+        todo = entries(gpu.name, kernels, args.model, args.weights, rows)
+    except ValueError as e:  # a bad kernel, model or row count: the message names it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not todo:
+        print(f"no table entries for {gpu.name} with these filters", file=sys.stderr)
+        return 2
+    for e in todo:
+        spec, p = get_spec(e.kernel), e.point()
+        e.default = dict(spec.canonical(spec.default_config(p, gpu), p))
+    print(f"{len(todo)} entries of {gpu.name}", file=sys.stderr)
+    compile_all(todo, args.device, args.jobs)
+    measure(todo, backend, args.device, args.rounds)
+    return report(todo, gpu, args.device, args.markdown, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
