@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -233,18 +234,16 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
         major, minor = gpu.compute_capability
         raise click.ClickException(f"--activations fp8 needs FP8 tensor cores (compute "
                                    f"capability 8.9+); {gpu.name} has {major}.{minor}")
-    for spec, space, points in groups:
-        if dry_run:
+    if dry_run:
+        for spec, space, points in groups:
             _print_plan(spec, space, points, target, trials)
-        elif target.devices:
-            _run_search_on_devices(spec, space, points, target, args.db, trials, time_budget,
-                                   seed, args.trial_timeout,
-                                   _compile_workers(args, target, False))
-        else:
-            _run_search(spec, space, points, target, args.db, trials, time_budget, seed,
-                        args.worker_timeout,
-                        compile_workers=_compile_workers(args, target, False),
-                        compile_timeout=args.trial_timeout)
+    elif target.devices:
+        _run_search_on_devices(groups, target, args.db, trials, time_budget, seed,
+                               args.trial_timeout, _compile_workers(args, target, False))
+    else:
+        _run_search(groups, target, args.db, trials, time_budget, seed, args.worker_timeout,
+                    compile_workers=_compile_workers(args, target, False),
+                    compile_timeout=args.trial_timeout)
 
 
 def _check_rows_option(args: PointArgs) -> None:
@@ -380,14 +379,15 @@ def _compile_workers(args: PointArgs, target: Target, default_on: bool = True) -
     return n
 
 
-def _print_compile_time(configs: int, compile_s: float, ahead: int, compiler: Any) -> None:
-    """What compiling cost the evaluating process, and what the compile processes did."""
+def _print_compile_time(configs: int, compile_s: float, ahead: int, stats: Any) -> None:
+    """What compiling cost the evaluating process, and what the compile processes did (their
+    CompileStats, None without compile processes)."""
     if configs == 0:
         return
     line = (f"Compiling and checking in the evaluating process: {compile_s:.1f} s for {configs} "
             f"configs ({compile_s / configs:.2f} s each)")
-    if compiler is not None:
-        line += f"; {ahead} of them were compiled ahead: {compiler.stats.summary()}"
+    if stats is not None:
+        line += f"; {ahead} of them were compiled ahead: {stats.summary()}"
     console.print(line)
 
 
@@ -399,19 +399,41 @@ def _progress() -> Any:
                     transient=False)
 
 
-def _run_search(spec: Any, space: Any, points: Sequence[Any], target: Any, db: str,
-                trials: int, time_budget: float | None, seed: int,
-                trial_timeout: float | None, compile_workers: int = 0,
-                compile_timeout: float = 300.0) -> None:
+_Group = tuple[Any, Any, Sequence[Any]]  # (kernel spec, search space, points) of one search
+
+
+def _run_search(groups: Sequence[_Group], target: Any, db: str, trials: int,
+                time_budget: float | None, seed: int, trial_timeout: float | None,
+                compile_workers: int = 0, compile_timeout: float = 300.0) -> None:
+    """Tunes each group's points on the target's device, one group after the other. One
+    context serves them all: the worker process (if `trial_timeout`) and the compile processes
+    start once (they serve any kernel) and are stopped once, at the end or on an error."""
+    from fusetune.tuner.study import SearchOptions
+
+    options = SearchOptions(trials=trials, time_budget_s=time_budget, seed=seed)
+    spec, space, _ = groups[0]
+    shared = _open_context(spec, space, target, db, trial_timeout,
+                           compile_workers=compile_workers, compile_timeout=compile_timeout)
+    try:
+        for spec, space, points in groups:
+            _search_points(shared.for_kernel(spec, space, spec.name), points, options, target,
+                           db, compile_workers)
+    finally:
+        shared.close()
+
+
+def _search_points(ctx: Any, points: Sequence[Any], options: Any, target: Any, db: str,
+                   compile_workers: int) -> None:
+    """Tunes `points` of `ctx`'s kernel, one after the other; prints the winners."""
     from fusetune.tuner.bench import DeviceLostError
     from fusetune.tuner.sampling import SEARCH_BATCH
-    from fusetune.tuner.study import PointTuner, SearchOptions
+    from fusetune.tuner.study import PointTuner
 
-    ctx = _open_context(spec, space, target, db, trial_timeout,
-                        compile_workers=compile_workers, compile_timeout=compile_timeout)
-    options = SearchOptions(trials=trials, time_budget_s=time_budget, seed=seed)
-    console.print(f"Tuning {spec.name} on {target.gpu.name} ({target.device}, {target.backend}) "
-                  f"into {_shown(db)}: {len(points)} points, up to {trials} configs each"
+    # The compile processes' stats count every kernel they served: this one's are the change.
+    before = dataclasses.replace(ctx.compiler.stats) if ctx.compiler is not None else None
+    console.print(f"Tuning {ctx.spec.name} on {target.gpu.name} ({target.device}, "
+                  f"{target.backend}) into {_shown(db)}: {len(points)} points, up to "
+                  f"{options.trials} configs each"
                   + (f"; {compile_workers} processes compile ahead, {SEARCH_BATCH} configs "
                      "asked at a time." if compile_workers else "."))
     results = []
@@ -437,11 +459,10 @@ def _run_search(spec: Any, space: Any, points: Sequence[Any], target: Any, db: s
         err.print(f"\n[red]error:[/] the GPU context is lost ({e}). That config is recorded as "
                   "crashed; run the same command again to continue (or use --isolate).")
         sys.exit(1)
-    finally:
-        ctx.close()
     _print_summary(results, target)
     _print_compile_time(sum(r.n_new for r in results), sum(r.compile_s for r in results),
-                        sum(r.compiled_ahead for r in results), ctx.compiler)
+                        sum(r.compiled_ahead for r in results),
+                        ctx.compiler.stats.since(before) if ctx.compiler is not None else None)
 
 
 class _DeviceProgress:
@@ -470,31 +491,43 @@ class _DeviceProgress:
                                  msg=f"done: {_fmt(result.time_us)} µs")
 
 
-def _run_search_on_devices(spec: Any, space: Any, points: Sequence[Any], target: Target,
-                           db: str, trials: int, time_budget: float | None, seed: int,
-                           trial_timeout: float, compile_workers: int = 0) -> None:
+def _run_search_on_devices(groups: Sequence[_Group], target: Target, db: str, trials: int,
+                           time_budget: float | None, seed: int, trial_timeout: float,
+                           compile_workers: int = 0) -> None:
     """`search --devices`: a worker per device (and `compile_workers` compile processes per
-    device), the points shared out between them (tuner/devices.py). The devices run configs
-    in worker processes whatever --isolate says, each within `trial_timeout` seconds."""
-    from fusetune.tuner.devices import DeviceSearch
+    device), the points of each group shared out between them (tuner/devices.py), one group
+    after the other. The devices run configs in worker processes whatever --isolate says, each
+    within `trial_timeout` seconds. Each device's processes start once and serve every group;
+    they are stopped once, at the end or on an error."""
     from fusetune.tuner.study import SearchOptions
 
     options = SearchOptions(trials=trials, time_budget_s=time_budget, seed=seed)
+    spec, space, _ = groups[0]
     contexts: list[Any] = []
     try:
         for d in target.devices:
             contexts.append(_open_context(spec, space, target, db, trial_timeout, d,
                                           compile_workers=compile_workers,
                                           compile_timeout=trial_timeout))
-    except BaseException:
+        for spec, space, points in groups:
+            _search_points_on_devices([c.for_kernel(spec, space, spec.name) for c in contexts],
+                                      points, options, target, db)
+    finally:
         for ctx in contexts:
             ctx.close()
-        raise
-    console.print(f"Tuning {spec.name} on {len(contexts)}× {target.gpu.name} "
+
+
+def _search_points_on_devices(contexts: Sequence[Any], points: Sequence[Any], options: Any,
+                              target: Target, db: str) -> None:
+    """Tunes `points` of the contexts' kernel on their devices at once; prints the winners.
+    The contexts stay open."""
+    from fusetune.tuner.devices import DeviceSearch
+
+    console.print(f"Tuning {contexts[0].spec.name} on {len(contexts)}× {target.gpu.name} "
                   f"({', '.join(target.devices)}, {target.backend}) into {_shown(db)}: "
                   f"{len(points)} points, up to {options.trials} configs each, a worker per "
                   "device.")
-    search = DeviceSearch(contexts, points, options)
+    search = DeviceSearch(contexts, points, options, close_contexts=False)
     try:
         with _progress() as progress:
             search.display = _DeviceProgress(progress)
@@ -791,7 +824,8 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
     finally:
         ctx.close()
     _print_compile_time(sum(r.timed for r in runs), sum(r.compile_s for r in runs),
-                        sum(r.compiled_ahead for r in runs), ctx.compiler)
+                        sum(r.compiled_ahead for r in runs),
+                        ctx.compiler.stats if ctx.compiler is not None else None)
     return rows
 
 

@@ -3,11 +3,13 @@
 MODE 1 is right, 2 kills its process (as a segfault would), 3 hangs, 4 raises, 5 computes the
 wrong result, 6 reports a lost CUDA context. It runs plain torch on the CPU (no Triton; fake_jit
 adds a MODE that launches Triton kernels). With LOG_ENV set, launches are logged to that file.
+SPEC_3X is a second kernel, for processes that serve several.
 
 `fake_compiler` stands in for the compile step of the compile-ahead processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -61,6 +63,12 @@ SPEC = KernelSpec(
 )
 
 
+# Another kernel for processes that serve several: its reference is 3x, so MODE 5 is its right
+# config and MODE 1 computes the wrong result.
+SPEC_3X = dataclasses.replace(SPEC, name="fake3x",
+                              reference=lambda inputs: {"y": inputs["x"] * 3.0})
+
+
 def nap() -> None:
     """A child process's whole work (this module's imports, torch's among them, come first)."""
     time.sleep(0.5)
@@ -70,9 +78,14 @@ def point() -> Point:
     return Point.make("fake", {"dim": 16}, 1, 4, "float32")
 
 
+def point_3x() -> Point:
+    return Point.make("fake3x", {"dim": 32}, 2, 1, "float32")
+
+
 def fake_compiler(spec: KernelSpec, point: Point, device: str) -> Any:
     """A compile step for CompileAhead: logs its start and end; the config's MODE decides what
     it does (2 kills the process, 3 hangs, 4 raises, others take SLEEP_MS milliseconds)."""
+    log(f"spec {spec.name}")
     log(f"inputs {point.label}")
 
     def compile_config(config: Config) -> None:

@@ -8,6 +8,7 @@ checks on a GPU that the evaluating process then loads what the compile processe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from fake_kernels import LOG_ENV, SPEC, point
+from fake_kernels import LOG_ENV, SPEC, point, point_3x
 from optuna.trial import TrialState
 
 from fusetune import gpus
@@ -160,6 +161,24 @@ def test_another_point_drops_the_configs_queued_for_the_last(log: Path) -> None:
     assert [what for kind, what, _, _ in ev if kind == "start"] == [config_key(a[0]),
                                                                    config_key(cfg(7))]
     assert [what for kind, what, _, _ in ev if kind == "inputs"] == [point().label, other.label]
+
+
+def test_the_processes_serve_the_kernel_of_each_submit(log: Path) -> None:
+    a, b = [cfg(0), cfg(1)], [cfg(2), cfg(3), cfg(4, mode=4)]
+    with CompileAhead(FAKE, "cpu", 1, timeout_s=60, compiler_ref=FAKE_COMPILER) as pool:
+        pool.submit(point(), a)
+        assert settle(pool, point(), a) == [COMPILED] * 2
+        before = dataclasses.replace(pool.stats)
+        pool.spec_ref = "fake_kernels:SPEC_3X"
+        pool.submit(point_3x(), b)
+        assert settle(pool, point_3x(), b) == [COMPILED, COMPILED, FAILED]
+        since = pool.stats.since(before)
+    assert (since.submitted, since.compiled, since.failed) == (3, 2, 1)
+    assert "2 of 3 configs compiled ahead by 1 processes" in since.summary()
+    ev = events(log)
+    assert [what for kind, what, _, _ in ev if kind in ("spec", "inputs")] == [
+        "fake", point().label, "fake3x", point_3x().label]
+    assert len({pid for kind, _, pid, _ in ev if kind == "start"}) == 1  # one process for both
 
 
 def test_processes_that_keep_dying_stop_compiling_ahead(log: Path,

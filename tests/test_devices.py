@@ -163,6 +163,22 @@ def test_two_devices_pick_the_winners_of_one(tmp_path: Path) -> None:
     assert all(w.closed for w in (c.worker for c in search.contexts))  # type: ignore[union-attr]
 
 
+def test_contexts_kept_open_serve_another_search(tmp_path: Path) -> None:
+    # close_contexts=False: the caller's contexts (their workers) outlive the run, for the
+    # next search on them (`search --kernel all`: one search per kernel and dims).
+    url = f"sqlite:///{tmp_path}/ft.db"
+    log: list[tuple[str, str, str]] = []
+    workers = [FakeWorker(f"dev:{i}", log) for i in range(2)]
+    ctxs = contexts(url, workers)
+    for points in (POINTS[:2], POINTS[2:]):
+        search = DeviceSearch(ctxs, points, SearchOptions(trials=3, rounds=1),
+                              close_contexts=False)
+        assert [r.point for r in search.run()] == points
+        assert not any(w.closed for w in workers)
+    assert len(winners(url)) == len(POINTS)
+    assert {d for d, _, _ in log} == {"dev:0", "dev:1"}
+
+
 def test_each_winner_is_the_best_stored_result(tmp_path: Path) -> None:
     # Sampled spaces: two devices may sample other configs than one (a point may start before
     # its neighbours' winners exist), but the selection is the same: the fastest stored config.

@@ -4,15 +4,22 @@
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
-from fusetune import cli
+from fusetune import cli, gpus
+from fusetune.db.store import Store
 from fusetune.models import ModelError, load_model, model_rows, patched_dims
+from fusetune.tuner import worker
+from fusetune.tuner.children import start_child
+from fusetune.tuner.search import Target
+from fusetune.tuner.study import PointResult, PointTuner
 
 LLAMA3 = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
           "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
@@ -170,3 +177,87 @@ def test_search_rows_is_for_kernel_all() -> None:
                                       "--rows", "1,4"])
     assert r.exit_code == 2, r.output
     assert "--rows applies to --kernel all; for --kernel ffn give the rows as --batch" in r.output
+
+
+# ---- `search --kernel all` on the interpreter: one worker per device serves every kernel -------
+
+# Dims the interpreter runs in seconds, for every kernel a model launches.
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5,
+        "torch_dtype": "float16"}
+TINY_KERNELS = ["ffn", "linear", "linear", "qkv", "rmsnorm"]  # one search per kernel and dims
+
+
+@pytest.fixture
+def workers_started(monkeypatch: pytest.MonkeyPatch) -> list[mp.process.BaseProcess]:
+    """Every worker process started from now on (the search runs the interpreter: the
+    variable is set for the processes too, and restored after the test)."""
+    started: list[mp.process.BaseProcess] = []
+
+    def spy(proc: mp.process.BaseProcess) -> None:
+        started.append(proc)
+        start_child(proc)
+
+    monkeypatch.setattr(worker, "start_child", spy)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return started
+
+
+def search_tiny(tmp_path: Path, *args: str) -> Result:
+    return CliRunner().invoke(cli.main, [
+        "search", "--kernel", "all", "--model", str(write(tmp_path, TINY)), "--backend",
+        "interpreter", "--rows", "1", "--trials", "2", "--db", f"sqlite:///{tmp_path}/ft.db",
+        *args])
+
+
+def tuned_kernels(tmp_path: Path) -> list[str]:
+    return sorted(p.kernel for p, _ in Store(f"sqlite:///{tmp_path}/ft.db").winners())
+
+
+@pytest.mark.slow
+def test_search_all_runs_every_kernel_in_one_worker(
+        tmp_path: Path, workers_started: list[mp.process.BaseProcess]) -> None:
+    r = search_tiny(tmp_path, "--isolate")
+    assert r.exit_code == 0, r.output
+    assert r.output.count("Winners on interpreter") == len(TINY_KERNELS)
+    assert tuned_kernels(tmp_path) == TINY_KERNELS  # every config ran in a worker (--isolate)
+    assert len(workers_started) == 1, workers_started  # started once, for all five
+    assert not workers_started[0].is_alive()  # and stopped at the end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("error", "code"), [(KeyboardInterrupt, 130), (RuntimeError, 1)])
+def test_search_all_stopped_in_a_later_kernel_stops_its_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        workers_started: list[mp.process.BaseProcess], error: type[BaseException],
+        code: int) -> None:
+    run = PointTuner.run
+    kernels: list[str] = []
+
+    def run_until_the_third(self: PointTuner) -> PointResult:
+        kernels.append(self.spec.name)
+        if len(kernels) == 3:
+            raise error("stopped in the third search")
+        return run(self)
+
+    monkeypatch.setattr(PointTuner, "run", run_until_the_third)
+    r = search_tiny(tmp_path, "--isolate")
+    assert r.exit_code == code, r.output
+    assert kernels == ["qkv", "ffn", "linear"]
+    assert len(workers_started) == 1 and not workers_started[0].is_alive()
+
+
+@pytest.mark.slow
+def test_search_all_on_devices_starts_a_worker_per_device_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        workers_started: list[mp.process.BaseProcess]) -> None:
+    # `search --devices` with the devices swapped for two CPU "devices" (as in test_devices)
+    monkeypatch.setattr(cli, "choose_target", lambda *a: Target(
+        "interpreter", gpus.INTERPRETER, "cpu:0", devices=("cpu:0", "cpu:1")))
+    r = search_tiny(tmp_path, "--devices", "0,1", "--trial-timeout", "120")
+    assert r.exit_code == 0, r.output
+    assert len(re.findall(r"Per device: cpu:0 .*; cpu:1 ", r.output)) == len(TINY_KERNELS)
+    assert tuned_kernels(tmp_path) == TINY_KERNELS
+    # at most one per device for all five (a device that only joined may have run nothing)
+    assert 1 <= len(workers_started) <= 2, workers_started
+    assert not any(p.is_alive() for p in workers_started)

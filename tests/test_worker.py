@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_kernels import MODES, SPEC, nap, point
+from fake_kernels import MODES, SPEC, nap, point, point_3x
 
 from fusetune import gpus
 from fusetune.db.store import Store
@@ -49,6 +49,32 @@ def test_each_failure_is_an_outcome_and_the_worker_comes_back(worker: Worker) ->
     assert worker.restarts == 3  # crash, hang, lost device
     assert "SIGSEGV" in worker.evaluate(cfg(2)).reason or "139" in worker._last_death
     assert "no result within 5 s" in worker.evaluate(cfg(3)).reason
+
+
+def test_one_worker_serves_two_kernels_and_comes_back_on_the_current_one() -> None:
+    # MODE 1 is right for fake_kernels:SPEC, wrong for SPEC_3X (whose reference is 3x); MODE 5
+    # the other way round: the statuses tell which kernel's reference the worker checked.
+    w = Worker(REF, "interpreter", "cpu", timeout_s=5)
+    try:
+        w.set_point(point(), 0)
+        assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["ok", "wrong_result"]
+        assert w._proc is not None
+        pid = w._proc.pid
+        w.spec_ref = "fake_kernels:SPEC_3X"
+        w.set_point(point_3x(), 0)
+        assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["wrong_result", "ok"]
+        assert not isinstance(w.timing(cfg(5)), Outcome)
+        assert w._proc.pid == pid and w.restarts == 0  # the same process
+        # restarted after a crash: on the kernel and point set last
+        assert w.evaluate(cfg(2)).status == "crashed"
+        assert w.restarts == 1 and w._proc.pid != pid
+        assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["wrong_result", "ok"]
+        w.spec_ref = REF  # and back to the first kernel, in the new process
+        w.set_point(point(), 0)
+        assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["ok", "wrong_result"]
+        assert w.restarts == 1
+    finally:
+        w.close()
 
 
 def test_time_of_a_crashing_config_is_an_outcome(worker: Worker) -> None:

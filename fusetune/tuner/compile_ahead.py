@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import gc
 import importlib
 import math
@@ -131,9 +132,10 @@ def _release_memory(device: str, collect: bool = False) -> None:
         torch.cuda.empty_cache()
 
 
-def _serve(conn: Connection, spec_ref: str, device: str, compiler_ref: str) -> None:
-    """A compile process: says ("ready",) once set up, then answers each ("compile", point,
-    key, config) with ("done", key, state, reason, seconds)."""
+def _serve(conn: Connection, device: str, compiler_ref: str) -> None:
+    """A compile process: says ("ready",) once set up, then answers each ("compile", spec_ref,
+    point, key, config) with ("done", key, state, reason, seconds). Specs are resolved once per
+    ref: one process serves every kernel of a run."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if device.startswith("cuda"):  # Triton compiles for the current device's target
         import torch
@@ -141,10 +143,10 @@ def _serve(conn: Connection, spec_ref: str, device: str, compiler_ref: str) -> N
         torch.cuda.set_device(torch.device(device))
     from fusetune.tuner.worker import resolve_spec
 
-    spec = resolve_spec(spec_ref)
+    specs: dict[str, KernelSpec] = {}
     factory: CompilerFactory = _resolve(compiler_ref)
     conn.send(("ready",))
-    current: tuple[Point, Compiler] | None = None
+    current: tuple[str, Point, Compiler] | None = None
     while True:
         try:
             msg = conn.recv()
@@ -152,14 +154,16 @@ def _serve(conn: Connection, spec_ref: str, device: str, compiler_ref: str) -> N
             return
         if msg[0] != "compile":
             return
-        _, point, key, config = msg
+        _, spec_ref, point, key, config = msg
         t0 = time.perf_counter()
         try:
-            if current is None or current[0] != point:
+            if current is None or current[:2] != (spec_ref, point):
                 current = None
                 _release_memory(device, collect=True)
-                current = (point, factory(spec, point, device))
-            current[1](config)
+                if spec_ref not in specs:
+                    specs[spec_ref] = resolve_spec(spec_ref)
+                current = (spec_ref, point, factory(specs[spec_ref], point, device))
+            current[2](config)
             reply = ("done", key, COMPILED, "", time.perf_counter() - t0)
         except Exception as exc:  # a config that does not compile: the GPU process will say why
             reply = ("done", key, FAILED, _one_line(exc), time.perf_counter() - t0)
@@ -180,6 +184,13 @@ class CompileStats:
     skipped: int = 0  # the GPU process wanted it before a compile process took it
     seconds: float = 0.0  # compile processes' seconds spent on the configs they answered
     disabled: str = ""  # why compiling ahead stopped, if it did
+
+    def since(self, earlier: CompileStats) -> CompileStats:
+        """What was done after `earlier`, a copy of these stats taken then (the processes
+        serve several searches: one search's share)."""
+        counts = {f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                  for f in dataclasses.fields(self) if f.name not in ("workers", "disabled")}
+        return CompileStats(self.workers, disabled=self.disabled, **counts)
 
     def summary(self) -> str:
         parts = [f"{self.compiled} of {self.submitted} configs compiled ahead by "
@@ -216,6 +227,11 @@ class CompileAhead:
     the first configs come), hands configs to idle ones and watches for deaths and hangs.
     `compiler_ref` ("module:function", a `CompilerFactory`) is what the processes run; tests
     replace it.
+
+    `spec_ref`: the kernel of the configs submitted from now on (a registered kernel's name or
+    "module:attribute", see `worker.resolve_spec`). The processes serve any kernel: a caller
+    tuning several kernels reassigns `spec_ref` before submitting another kernel's configs and
+    keeps the processes; configs already queued keep the kernel they were submitted with.
     """
 
     def __init__(self, spec_ref: str, device: str, workers: int, timeout_s: float = 300.0,
@@ -228,9 +244,10 @@ class CompileAhead:
         self.stats = CompileStats(workers)
         self._ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[Point, str, Config]] = collections.deque()
+        # (spec_ref, point, config key, config), in the order the GPU will want them
+        self._queue: collections.deque[tuple[str, Point, str, Config]] = collections.deque()
         self._state: dict[tuple[Point, str], str] = {}
-        self._point: Point | None = None
+        self._point: tuple[str, Point] | None = None  # (spec_ref, point) of the last submit
         self._slots = [_Slot() for _ in range(workers)]
         self._deaths_in_a_row = 0
         self._closed = False
@@ -246,8 +263,8 @@ class CompileAhead:
         with self._cond:
             if self._closed or self.stats.disabled:
                 return
-            if point != self._point:
-                self._point = point
+            if (self.spec_ref, point) != self._point:
+                self._point = (self.spec_ref, point)
                 self._queue.clear()
                 self._state = {k: s for k, s in self._state.items() if s == COMPILING}
             for c in configs:
@@ -255,7 +272,7 @@ class CompileAhead:
                 if (point, key) in self._state:
                     continue
                 self._state[(point, key)] = PENDING
-                self._queue.append((point, key, dict(c)))
+                self._queue.append((self.spec_ref, point, key, dict(c)))
                 self.stats.submitted += 1
             self._assign()  # idle processes start on them now, not when the thread wakes
         self._wake()
@@ -276,7 +293,7 @@ class CompileAhead:
         with self._cond:
             state = self._state.get(k, NOT_SUBMITTED)
             if state == PENDING:
-                self._queue = collections.deque(t for t in self._queue if t[:2] != k)
+                self._queue = collections.deque(t for t in self._queue if t[1:3] != k)
                 self._state[k] = state = SKIPPED
                 self.stats.skipped += 1
             while state == COMPILING and not self._closed:
@@ -363,7 +380,7 @@ class CompileAhead:
                 return
             if slot.task is not None:
                 continue
-            point, key, config = self._queue.popleft()
+            spec_ref, point, key, config = self._queue.popleft()
             slot.task, slot.deadline = (point, key), time.monotonic() + self.timeout_s
             self._state[(point, key)] = COMPILING
             try:
@@ -372,15 +389,14 @@ class CompileAhead:
                 if not slot.ready:
                     slot.deadline += START_S  # until it says it is ready
                 assert slot.conn is not None
-                slot.conn.send(("compile", point, key, config))
+                slot.conn.send(("compile", spec_ref, point, key, config))
             except Exception as exc:  # could not start it, or it is gone already
                 self._lost(slot, CRASHED, _one_line(exc))
 
     def _start(self, slot: _Slot) -> None:
         self._stop(slot, kill=True)
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_serve, args=(child, self.spec_ref, self.device,
-                                                      self.compiler_ref),
+        proc = self._ctx.Process(target=_serve, args=(child, self.device, self.compiler_ref),
                                  daemon=True, name="fusetune-compile")
         start_child(proc)
         child.close()
@@ -445,7 +461,7 @@ class CompileAhead:
         """No more compiling ahead in this run: the queued configs are left to the GPU."""
         if not self.stats.disabled:
             self.stats.disabled = why
-        for point, key, _ in self._queue:
+        for _, point, key, _ in self._queue:
             self._state[(point, key)] = SKIPPED
         self._queue.clear()
 

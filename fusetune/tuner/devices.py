@@ -130,10 +130,15 @@ class DeviceSearch:
     `contexts`: one per device, each with its own worker (`Context.worker`; the worker's calls
     are what a stop interrupts) and its own `Store` and storage on the same database; their
     `device` names them (and is recorded with each result they evaluate).
+
+    `close_contexts`: `run` closes the contexts (stops their workers and compile processes)
+    when it ends; False leaves them to the caller, who may reuse the processes for another
+    search (several kernels one after the other) and closes them once.
     """
 
     def __init__(self, contexts: Sequence[Context], points: Sequence[Point],
-                 options: SearchOptions, display: Display | None = None) -> None:
+                 options: SearchOptions, display: Display | None = None,
+                 close_contexts: bool = True) -> None:
         if not contexts:
             raise ValueError("a device search needs at least one device")
         names = [c.device for c in contexts]
@@ -148,6 +153,7 @@ class DeviceSearch:
         self.points = list(points)
         self.options = options
         self.display: Display = display or _Quiet()
+        self.close_contexts = close_contexts
         self.stats = {c.device: DeviceStats(c.device) for c in contexts}
         self._queue = PointQueue(points)
         self._results: list[PointResult | None] = [None] * len(points)
@@ -163,7 +169,7 @@ class DeviceSearch:
 
     def run(self) -> list[PointResult]:
         """Tunes every point; returns their results in the grid's order. Closes the contexts
-        (their workers and compile processes).
+        (their workers and compile processes) unless `close_contexts` is False.
 
         Raises KeyboardInterrupt when stopped before the end (every finished trial is stored;
         run again to resume), DeviceFailedError when a device's thread failed."""
@@ -187,8 +193,9 @@ class DeviceSearch:
                 end.wait(max(0.0, deadline - time.monotonic()))
             raise
         finally:
-            for ctx in self.contexts:
-                ctx.close()
+            if self.close_contexts:
+                for ctx in self.contexts:
+                    ctx.close()
         if self._errors:
             raise self._errors[0] from self._errors[0].__cause__
         if self._stop.is_set():

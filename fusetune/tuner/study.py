@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -33,7 +34,7 @@ from fusetune.tuner.sampling import (
 )
 from fusetune.tuner.seeds import neighbour_winners, start_configs
 from fusetune.tuner.space import PointPlan, SearchSpace, config_key, make_plan, search_plan
-from fusetune.tuner.worker import Worker
+from fusetune.tuner.worker import Worker, resolve_spec
 
 INTERRUPTED = "interrupted: the search stopped while this trial ran; it is tried again on resume"
 WAIT_POLL_S = 0.5  # how often a finishing search looks whether others' trials on its point ended
@@ -66,6 +67,18 @@ class Context:
     worker: Worker | None = None  # run configs in this subprocess (None: in this process)
     # Compile processes that compile the configs ahead of `device` (None: it compiles them)
     compiler: CompileAhead | None = None
+
+    def for_kernel(self, spec: KernelSpec, space: SearchSpace, spec_ref: str) -> Context:
+        """This context for the points of another kernel: the same device, database
+        connections, worker and compile processes. The processes serve `spec_ref` (`spec`'s
+        registered name, or "module:attribute") from their next point on, so one context of
+        those sharing them is in use at a time; close only one of them."""
+        assert resolve_spec(spec_ref).name == spec.name, (spec_ref, spec.name)
+        if self.worker is not None:
+            self.worker.spec_ref = spec_ref
+        if self.compiler is not None:
+            self.compiler.spec_ref = spec_ref
+        return dataclasses.replace(self, spec=spec, space=space)
 
     def close(self) -> None:
         """Stops the worker and the compile processes."""

@@ -38,14 +38,15 @@ def resolve_spec(ref: str) -> KernelSpec:
     return get_spec(ref)
 
 
-def _serve(conn: Connection, spec_ref: str, backend: str, device: str) -> None:
-    """The worker's loop: ("point", point, seed) | ("eval", config) | ("time", config)."""
+def _serve(conn: Connection, backend: str, device: str) -> None:
+    """The worker's loop: ("point", spec_ref, point, seed) | ("eval", config) | ("time",
+    config). Specs are resolved once per ref: one process serves every kernel of a run."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if backend == "cuda":  # Triton launches and do_bench time on the current device
         import torch
 
         torch.cuda.set_device(torch.device(device))
-    spec = resolve_spec(spec_ref)
+    specs: dict[str, KernelSpec] = {}
     evaluator: Evaluator | None = None
     while True:
         try:
@@ -54,7 +55,11 @@ def _serve(conn: Connection, spec_ref: str, backend: str, device: str) -> None:
             return
         kind = msg[0]
         if kind == "point":
-            evaluator = Evaluator(spec, msg[1], backend, device, seed=msg[2])
+            _, spec_ref, point, seed = msg
+            if spec_ref not in specs:
+                specs[spec_ref] = resolve_spec(spec_ref)
+            evaluator = None  # the last point's tensors go before the next point's are made
+            evaluator = Evaluator(specs[spec_ref], point, backend, device, seed=seed)
             conn.send(("ready",))
         elif kind in ("eval", "time"):
             assert evaluator is not None, "a point must be set before configs are run"
@@ -78,6 +83,13 @@ LOAD_TIMEOUT_S = 120.0
 class Worker:
     """One worker process for one device; restarted after a crash or a timeout.
 
+    `spec_ref`: the kernel of the points set from now on, a registered kernel's name or
+    "module:attribute" of a KernelSpec (see `resolve_spec`). The process serves any kernel: a
+    caller tuning several kernels reassigns `spec_ref` before `set_point` of another kernel's
+    point and keeps the process (its start-up, importing torch and Triton and creating the
+    CUDA context, is paid once). A point already set keeps its kernel until the next
+    `set_point`, also across a restart.
+
     `cancel`: once this event is set, a call waiting for the worker (or about to start it)
     raises KeyboardInterrupt within CANCEL_POLL_S, as Ctrl-C does in the main thread: the config
     it was running is neither a result nor a failure. It lets another thread stop a search whose
@@ -92,7 +104,7 @@ class Worker:
         self._ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
         self._proc: mp.process.BaseProcess | None = None
         self._conn: Connection | None = None
-        self._point: tuple[Point, int] | None = None
+        self._point: tuple[str, Point, int] | None = None  # (spec_ref, point, seed) now set
 
     @property
     def _load_timeout_s(self) -> float:
@@ -110,16 +122,15 @@ class Worker:
     def _start(self) -> None:
         self._check_cancel()
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_serve, args=(child, self.spec_ref, self.backend,
-                                                      self.device), daemon=True,
-                                 name="fusetune-worker")
+        proc = self._ctx.Process(target=_serve, args=(child, self.backend, self.device),
+                                 daemon=True, name="fusetune-worker")
         start_child(proc)
         child.close()
         self._proc, self._conn = proc, parent
         if self._point is not None:
             reply = self._call(("point", *self._point), self._load_timeout_s)
             if reply is None or reply[0] != "ready":
-                raise RuntimeError(f"the benchmark worker could not load {self._point[0].label}: "
+                raise RuntimeError(f"the benchmark worker could not load {self._point[1].label}: "
                                    f"{self._last_death}")
 
     def _stop(self) -> None:
@@ -172,11 +183,13 @@ class Worker:
     # -- the evaluator interface ---------------------------------------------------------------
 
     def set_point(self, point: Point, seed: int) -> None:
-        self._point = (point, seed)
+        """Makes `point`'s inputs and reference, of the kernel `spec_ref` names, in the
+        process: the configs that follow run on them."""
+        self._point = (self.spec_ref, point, seed)
         if self._proc is None:
             self._start()
         else:
-            reply = self._call(("point", point, seed), self._load_timeout_s)
+            reply = self._call(("point", *self._point), self._load_timeout_s)
             if reply is None:
                 self._restart()
 
