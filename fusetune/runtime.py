@@ -507,6 +507,10 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
     """The config of the nearest entry of other dims (same GPU, kernel, dtype, weights and
     activation mode) that, made canonical for `point`, its structure serves and `gpu` holds."""
     gpu_name, kernel, dims, dtype, weights, activations = group
+    # One row, where it has a structure of its own: a config tuned for more rows (tiles that
+    # read the weights once for many rows) runs slower there than the default's one-row
+    # structure, which won at every tuned one-row point.
+    one_row = spec.one_row_structure and point.rows == 1
     found: list[tuple[float, int, tuple[tuple[str, int], ...], Config, EntryInfo]] = []
     for tables in _tables_in_order():
         for key, entries in tables.groups.items():
@@ -514,6 +518,8 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
                     or key[2] == dims:
                 continue
             for r, config in entries:
+                if one_row and r != 1:
+                    continue
                 info = tables.info.get((key, r), EntryInfo())
                 d = _distance(dims, point.rows, key[2], r)
                 if d <= NEARBY_DISTANCE and not info.marginal:

@@ -83,6 +83,23 @@ def test_nearby_skips_configs_the_point_cannot_run(tmp_path: Path, fresh_tables:
     assert near.source == "nearby" and dict(near.dims) == {"dim": 4096, "hidden": 11008}
 
 
+def test_one_row_takes_only_one_row_entries_of_other_dims(tmp_path: Path, fresh_tables: None,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    # Tiles tuned for 4 rows read the weights at the tiles' pace at one row, where the default's
+    # one-row structure is faster: a one-row point of other dims does not take them.
+    monkeypatch.setattr(runtime, "_shipped", runtime.Tables())  # this table's entries only
+    assert FFN.one_row_structure and not get_spec("rmsnorm").one_row_structure
+    fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 11008, 4, TILES)]))
+    assert resolve(4096, 12288, 1).source == "default"
+    assert resolve(4096, 12288, 2).source == "nearby"  # more rows: the tiles serve
+    fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 11008, 4, TILES),
+                                          ffn_entry(4096, 14336, 1, GEMV)]))
+    near = resolve(4096, 12288, 1)
+    assert (near.source, near.rows, dict(near.dims)) == ("nearby", 1,
+                                                          {"dim": 4096, "hidden": 14336})
+
+
 def test_nearby_skips_tiles_that_overhang_the_point(tmp_path: Path, fresh_tables: None,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # A 2048-wide K step divides 4096 columns and overhangs 5120 (a sixth of its loop masked):

@@ -176,6 +176,9 @@ class KernelSpec:
     - `padding(config, point)`: the share of the config's tile work that is masked off at the
       point (tiles rounded up past the matrix); the lookup carries a config to other dims only
       where it does not grow (None: no such check).
+    - `one_row_structure`: one row has a structure of its own (the matmul kernels' BLOCK_M = 1,
+      which serves one row only): a one-row lookup carries a config over from other dims only
+      from their one-row entries.
     """
 
     name: str
@@ -203,6 +206,7 @@ class KernelSpec:
     activation_tolerance: Mapping[str, float] = field(default_factory=dict)
     row_reach: int | None = None
     padding: Callable[[Config, Point], float] | None = None
+    one_row_structure: bool = False
 
     def point_weights(self, fmt: str, dtype: str) -> str:
         """Point.weights for weights in format `fmt` (one of WEIGHT_CHOICES) with `dtype`
