@@ -206,7 +206,7 @@ def workers_started(monkeypatch: pytest.MonkeyPatch) -> list[mp.process.BaseProc
 def search_tiny(tmp_path: Path, *args: str) -> Result:
     return CliRunner().invoke(cli.main, [
         "search", "--kernel", "all", "--model", str(write(tmp_path, TINY)), "--backend",
-        "interpreter", "--rows", "1", "--trials", "2", "--db", f"sqlite:///{tmp_path}/ft.db",
+        "interpreter", "--rows", "1", "--trials", "1", "--db", f"sqlite:///{tmp_path}/ft.db",
         *args])
 
 
