@@ -84,7 +84,7 @@ def entries(gpu: str, kernels: list[str], model: str | None, weights: str | None
         for w in formats:
             if weights is not None and w != weights:
                 continue
-            for a in ("", "fp8") if w.startswith("fp8") else ("",):
+            for a in ("", *spec.activation_modes) if w else ("",):  # modes of FP8 weights
                 for dims, dtype, r, config in tuned_entries(spec, gpu, w, a):
                     key = (kernel, dims, dtype, w, a, r)
                     if key in out or (rows is not None and r not in rows) or (

@@ -134,8 +134,8 @@ def _release_memory(device: str, collect: bool = False) -> None:
 
 def _serve(conn: Connection, device: str, compiler_ref: str) -> None:
     """A compile process: says ("ready",) once set up, then answers each ("compile", spec_ref,
-    point, key, config) with ("done", key, state, reason, seconds). Specs are resolved once per
-    ref: one process serves every kernel of a run."""
+    point, key, config) with ("done", key, state, reason, seconds). Each message names its
+    kernel: one process serves every kernel of a run."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if device.startswith("cuda"):  # Triton compiles for the current device's target
         import torch
@@ -143,7 +143,6 @@ def _serve(conn: Connection, device: str, compiler_ref: str) -> None:
         torch.cuda.set_device(torch.device(device))
     from fusetune.tuner.worker import resolve_spec
 
-    specs: dict[str, KernelSpec] = {}
     factory: CompilerFactory = _resolve(compiler_ref)
     conn.send(("ready",))
     current: tuple[str, Point, Compiler] | None = None
@@ -160,9 +159,7 @@ def _serve(conn: Connection, device: str, compiler_ref: str) -> None:
             if current is None or current[:2] != (spec_ref, point):
                 current = None
                 _release_memory(device, collect=True)
-                if spec_ref not in specs:
-                    specs[spec_ref] = resolve_spec(spec_ref)
-                current = (spec_ref, point, factory(specs[spec_ref], point, device))
+                current = (spec_ref, point, factory(resolve_spec(spec_ref), point, device))
             current[2](config)
             reply = ("done", key, COMPILED, "", time.perf_counter() - t0)
         except Exception as exc:  # a config that does not compile: the GPU process will say why

@@ -40,13 +40,12 @@ def resolve_spec(ref: str) -> KernelSpec:
 
 def _serve(conn: Connection, backend: str, device: str) -> None:
     """The worker's loop: ("point", spec_ref, point, seed) | ("eval", config) | ("time",
-    config). Specs are resolved once per ref: one process serves every kernel of a run."""
+    config). The point names its kernel: one process serves every kernel of a run."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if backend == "cuda":  # Triton launches and do_bench time on the current device
         import torch
 
         torch.cuda.set_device(torch.device(device))
-    specs: dict[str, KernelSpec] = {}
     evaluator: Evaluator | None = None
     while True:
         try:
@@ -56,10 +55,8 @@ def _serve(conn: Connection, backend: str, device: str) -> None:
         kind = msg[0]
         if kind == "point":
             _, spec_ref, point, seed = msg
-            if spec_ref not in specs:
-                specs[spec_ref] = resolve_spec(spec_ref)
             evaluator = None  # the last point's tensors go before the next point's are made
-            evaluator = Evaluator(specs[spec_ref], point, backend, device, seed=seed)
+            evaluator = Evaluator(resolve_spec(spec_ref), point, backend, device, seed=seed)
             conn.send(("ready",))
         elif kind in ("eval", "time"):
             assert evaluator is not None, "a point must be set before configs are run"
