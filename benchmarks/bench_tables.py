@@ -9,8 +9,13 @@ the search times them (do_bench with the L2 flushed; CUDA-graph replays where th
 short), in interleaved rounds. Verdicts use the export's rule for `marginal`: `slower` where the
 entry's median exceeds the default's by more than the larger of their p20-p80 spreads,
 `faster` where it is below by more, else `even`. Marginal entries (the lookup runs the default
-there) are timed as well, their winner against the default. Configs compile first in parallel
-processes (--jobs) into Triton's on-disk cache, which the timing process then loads.
+there) are timed as well, their winner against the default. The exit status is 1 where an entry
+the lookup serves (not marginal) is slower than the default, or a config fails. Configs
+compile first in parallel processes (--jobs) into Triton's on-disk cache, which the timing
+process then loads. With --devices the entries are shared out over several GPUs of one
+model, one timing process each (an entry and its default always on the same GPU). Ctrl-C (or
+SIGINT from `timeout -s INT`) stops the timing: the entries measured so far are reported, the
+rest counted as not measured.
 
 `--device cpu` runs the flow on Triton's interpreter (the interpreter's tables, small dims;
 timings meaningless).
@@ -21,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import signal
 import statistics
 import sys
 import time
@@ -48,6 +55,7 @@ class Entry:
     default: dict[str, int] = field(default_factory=dict)
     times: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    measured: bool = False
 
     @property
     def label(self) -> str:
@@ -133,6 +141,8 @@ def compile_all(todo: list[Entry], device: str, jobs: int) -> None:
 
 
 def verdict(e: Entry) -> str:
+    if not e.measured:
+        return "not measured"
     if e.failed:
         return "failed"
     (_, tuned, _), (_, default, _) = (median3(e.times["entry"]), median3(e.times["default"]))
@@ -153,66 +163,149 @@ def spread(qs: list[tuple[float, float, float]]) -> float:
     return p80 - p20
 
 
-def measure(todo: list[Entry], backend: str, device: str, rounds: int) -> None:
+def measure(todo: list[Entry], backend: str, device: str, rounds: int, rep_ms: int) -> bool:
     """Checks and times each entry's config and the default's, interleaved, point by point
-    (one point's inputs on the device at a time)."""
+    (one point's inputs on the device at a time). False if interrupted (KeyboardInterrupt):
+    the entry being timed then and those after it stay not measured."""
     from fusetune.kernels import get_spec
     from fusetune.tuner.bench import Evaluator
 
-    for i, e in enumerate(todo):
-        ev = Evaluator(get_spec(e.kernel), e.point(), backend, device)
-        configs = {"entry": e.config, "default": e.default}
-        for name, c in configs.items():
-            out = ev.check(c)
-            if not out.ok:
-                e.failed[name] = f"{out.status}: {out.reason}"
-        if not e.failed:
-            e.times = {name: [] for name in configs}
-            for _ in range(rounds):
-                for name, c in configs.items():
-                    q = ev.timing(c)
-                    if not isinstance(q, tuple):
-                        e.failed[name] = f"{q.status}: {q.reason}"
-                        break
-                    e.times[name].append(q)
-                if e.failed:
+    try:
+        for i, e in enumerate(todo):
+            ev = Evaluator(get_spec(e.kernel), e.point(), backend, device)
+            _measure_one(e, ev, rounds, rep_ms)
+            print(f"[{device} {i + 1}/{len(todo)}] {e.label}: {verdict(e)}", file=sys.stderr)
+    except KeyboardInterrupt:
+        # `timeout -s INT` signals the process and then its group: the second must not
+        # interrupt the report.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for e in todo:
+            if not e.measured:
+                e.times, e.failed = {}, {}
+        return False
+    return True
+
+
+def _measure_one(e: Entry, ev: Any, rounds: int, rep_ms: int) -> None:
+    configs = {"entry": e.config, "default": e.default}
+    for name, c in configs.items():
+        out = ev.check(c)
+        if not out.ok:
+            e.failed[name] = f"{out.status}: {out.reason}"
+    if not e.failed:
+        e.times = {name: [] for name in configs}
+        for _ in range(rounds):
+            for name, c in configs.items():
+                q = ev.timing(c, rep_ms)
+                if not isinstance(q, tuple):
+                    e.failed[name] = f"{q.status}: {q.reason}"
                     break
-        del ev
-        print(f"[{i + 1}/{len(todo)}] {e.label}: {verdict(e)}", file=sys.stderr)
+                e.times[name].append(q)
+            if e.failed:
+                break
+    e.measured = True
 
 
-def report(todo: list[Entry], gpu: Any, device: str, markdown: str | None,
+def _measure_child(todo: list[Entry], backend: str, device: str, rounds: int, rep_ms: int,
+                   conn: Any) -> None:
+    """A timing process of --devices: measures its share on `device`, sends the results back
+    (what it measured before an interrupt, too)."""
+    import torch
+
+    try:
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        measure(todo, backend, device, rounds, rep_ms)
+    except KeyboardInterrupt:  # before measuring began (still importing): nothing measured
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second interrupt must not lose the answer
+    conn.send([(e.times, e.failed, e.measured) for e in todo])
+    conn.close()
+
+
+def measure_devices(todo: list[Entry], backend: str, devices: list[str], rounds: int,
+                    rep_ms: int) -> bool:
+    """measure() with the entries dealt out over `devices`, one spawned process each. False if
+    interrupted; each process then reports what it measured."""
+    if len(devices) == 1:
+        return measure(todo, backend, devices[0], rounds, rep_ms)
+    ctx = mp.get_context("spawn")
+    shares = [todo[i::len(devices)] for i in range(len(devices))]
+    children = []
+    for device, share in zip(devices, shares, strict=True):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_measure_child, args=(share, backend, device, rounds, rep_ms,
+                                                           send))
+        proc.start()
+        send.close()
+        children.append((proc, recv, share))
+    complete = True
+    for proc, recv, share in children:
+        while True:
+            try:
+                got = recv.recv()
+                break
+            except KeyboardInterrupt:  # stop every child; each still sends what it measured
+                complete = False
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # once is enough (see measure)
+                for other, _, _ in children:
+                    if other.is_alive():
+                        os.kill(other.pid, signal.SIGINT)
+            except EOFError:  # the process died without an answer: its share stays unmeasured
+                got = None
+                break
+        proc.join()
+        if got is None:
+            complete = False
+            continue
+        for e, (times, failed, measured) in zip(share, got, strict=True):
+            e.times, e.failed, e.measured = times, failed, measured
+    return complete and all(e.measured for e in todo)
+
+
+def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None,
            json_path: str | None) -> int:
     import torch
     import triton
 
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else "Triton interpreter"
-    lines = [f"GPU {name} ({gpu.name}), torch {torch.__version__}, Triton {triton.__version__}; "
-             "µs: medians over the rounds of do_bench's p50 (L2 flushed); verdict against the "
-             "larger p20-p80 spread of the two", "",
+    name = (torch.cuda.get_device_name(devices[0]) if devices[0].startswith("cuda")
+            else "Triton interpreter")
+    many = f" ×{len(devices)} (entries shared out)" if len(devices) > 1 else ""
+    lines = [f"GPU {name}{many} ({gpu.name}), torch {torch.__version__}, "
+             f"Triton {triton.__version__}; µs: medians over the rounds of do_bench's p50 "
+             "(L2 flushed); verdict against the larger p20-p80 spread of the two", "",
              "| entry | marginal | entry µs | default µs | entry / default | verdict |",
              "|---|---|---:|---:|---:|---|"]
     groups: dict[tuple[str, str], Counter[str]] = {}
     for e in todo:
         v = verdict(e)
         groups.setdefault((e.kernel, e.weights or e.dtype), Counter())[v] += 1
+        if not e.measured:
+            lines.append(f"| {e.label} | {'yes' if e.marginal else ''} | – | – | – | {v} |")
+            continue
         if e.failed:
             why = "; ".join(f"{k}: {w}" for k, w in e.failed.items())
             lines.append(f"| {e.label} | {'yes' if e.marginal else ''} | – | – | – | failed: "
                          f"{why} |")
             continue
         t, d = median3(e.times["entry"])[1], median3(e.times["default"])[1]
+        shown = f"{v} (the lookup runs the default)" if e.marginal and v == "slower" else v
         lines.append(f"| {e.label} | {'yes' if e.marginal else ''} | {t:.2f} | {d:.2f} | "
-                     f"{t / d:.3f} | {v} |")
-    lines += ["", "| kernel | weights | entries | faster | even | slower | failed |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+                     f"{t / d:.3f} | {shown} |")
+    lines += ["", "| kernel | weights | entries | faster | even | slower | failed | not measured |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
     total: Counter[str] = Counter()
     for (kernel, w), c in sorted(groups.items()):
         total += c
         lines.append(f"| {kernel} | {w} | {sum(c.values())} | {c['faster']} | {c['even']} | "
-                     f"{c['slower']} | {c['failed']} |")
+                     f"{c['slower']} | {c['failed']} | {c['not measured']} |")
     lines.append(f"| all | | {sum(total.values())} | {total['faster']} | {total['even']} | "
-                 f"{total['slower']} | {total['failed']} |")
+                 f"{total['slower']} | {total['failed']} | {total['not measured']} |")
+    # A marginal entry's winner never runs (the lookup serves the default there): slower, it
+    # costs nothing. What fails the run: an entry the lookup serves that loses, or fails.
+    served_slower = sum(verdict(e) == "slower" and not e.marginal for e in todo)
+    lines += ["", f"{served_slower} entries the lookup serves are slower than the default; "
+              f"{total['failed']} failed."]
     text = "\n".join(lines)
     print(text)
     if markdown:
@@ -223,7 +316,7 @@ def report(todo: list[Entry], gpu: Any, device: str, markdown: str | None,
               "weights": e.weights, "activations": e.activations, "marginal": e.marginal,
               "config": e.config, "default_config": e.default, "times": e.times,
               "failed": e.failed, "verdict": verdict(e)} for e in todo], indent=1))
-    return 1 if total["slower"] or total["failed"] else 0
+    return 1 if served_slower or total["failed"] else 0
 
 
 def main() -> int:
@@ -236,11 +329,16 @@ def main() -> int:
     ap.add_argument("--weights", help="only this weight format ('' for 16-bit, fp8-e4m3, ...)")
     ap.add_argument("--rows", help="only these row counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved timing rounds")
+    ap.add_argument("--rep-ms", type=int, default=100,
+                    help="do_bench's measuring time per config and round, ms (the search's: 100)")
     ap.add_argument("--jobs", type=int, default=8,
                     help="processes that compile the configs first (0: the timing process "
                          "compiles each as it checks it)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: the flow on Triton's interpreter (set TRITON_INTERPRET=1)")
+    ap.add_argument("--devices", help="CUDA devices to share the entries out over: all, or "
+                                      "indices such as 0,1 (one GPU model; default: the "
+                                      "current device)")
     ap.add_argument("--markdown", help="write the table here too")
     ap.add_argument("--json", help="write every entry's timings here")
     args = ap.parse_args()
@@ -257,7 +355,20 @@ def main() -> int:
             print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)", file=sys.stderr)
             return 2
         gpu, backend = gpu_for_device(torch.device("cuda")), "cuda"
+        devices = [str(torch.device("cuda", torch.cuda.current_device()))]
+        if args.devices is not None:
+            try:
+                chosen = gpus.select_devices(args.devices)
+            except (ValueError, gpus.GpuNotFoundError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            gpu, devices = chosen[0].spec, [f"cuda:{g.index}" for g in chosen]
     else:
+        if args.devices is not None:
+            print("error: --devices selects CUDA devices; --device cpu runs on the interpreter",
+                  file=sys.stderr)
+            return 2
+        devices = ["cpu"]
         gpu, backend = gpus.resolve("interpreter"), "interpreter"
     if args.tables:
         fusetune.load_tables(args.tables)
@@ -277,9 +388,14 @@ def main() -> int:
         spec, p = get_spec(e.kernel), e.point()
         e.default = dict(spec.canonical(spec.default_config(p, gpu), p))
     print(f"{len(todo)} entries of {gpu.name}", file=sys.stderr)
-    compile_all(todo, args.device, args.jobs)
-    measure(todo, backend, args.device, args.rounds)
-    return report(todo, gpu, args.device, args.markdown, args.json)
+    compile_all(todo, devices[0], args.jobs)
+    complete = measure_devices(todo, backend, devices, args.rounds, args.rep_ms)
+    status = report(todo, gpu, devices, args.markdown, args.json)
+    if not complete:
+        print(f"interrupted: {sum(not e.measured for e in todo)} of {len(todo)} entries not "
+              "measured", file=sys.stderr)
+        return 130
+    return status
 
 
 if __name__ == "__main__":
