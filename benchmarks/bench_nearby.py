@@ -3,10 +3,11 @@ dims, `nearby`, or the default heuristic), the default heuristic itself, and the
 fresh search of the point, timed side by side on one GPU.
 
 For each held-out shape and row count: `fusetune.resolve` says where the lookup's config comes
-from (the shipped tables, or --tables); `fusetune search --trials N` tunes the point into a
-scratch database (--db) and `fusetune export` writes its winner; then the three configs are
-timed as the other benchmarks time kernels (do_bench of CUDA-graph replays, L2 flushed,
-interleaved rounds). Shapes: KERNEL:name=value,... separated by spaces, e.g.
+from (the shipped tables, or --tables); `fusetune search --points FILE --trials N` tunes
+every point in one process into a scratch database (--db; the same one again resumes)
+and `fusetune export` writes the winners; then the three configs are timed as the other
+benchmarks time kernels (do_bench of CUDA-graph replays, L2 flushed, interleaved
+rounds). Shapes: KERNEL:name=value,... separated by spaces, e.g.
 `ffn:dim=5120,hidden=13824` (Llama-2-13B's and Qwen2.5-14B's feed-forward).
 """
 
@@ -39,28 +40,40 @@ def parse_shape(text: str) -> tuple[str, dict[str, int]]:
     return kernel, {k: int(v) for k, v in (kv.split("=") for kv in dims.split(","))}
 
 
-def searched(kernel: str, dims: dict[str, int], rows: int, dtype: str, trials: int,
-             db: str) -> dict[str, int]:
-    """The winner of a fresh `fusetune search` of the point (a subprocess, as a user runs it)."""
-    dims_arg = ",".join(f"{k}={v}" for k, v in dims.items())
-    subprocess.run([sys.executable, "-m", "fusetune.cli", "search", "--kernel", kernel,
-                    "--dims", dims_arg, "--batch", str(rows), "--seq", "1", "--dtype", dtype,
-                    "--trials", str(trials), "--db", db, "--compile-workers", "8"],
-                   check=True, stdout=subprocess.DEVNULL)
+def searched(points: list[tuple[str, dict[str, int], int]], dtype: str, trials: int, db: str
+             ) -> dict[tuple[str, str, int], dict[str, int]]:
+    """The winners of a fresh `fusetune search` of every (kernel, dims, rows) point, one
+    process for all of them (`search --points`, as a user runs it), keyed by (kernel, dims
+    label, rows)."""
     with tempfile.TemporaryDirectory() as tmp:
+        listed = Path(tmp) / "points.yaml"
+        listed.write_text(yaml.safe_dump({"points": [
+            {"kernel": k, "dims": d, "rows": r, "dtype": dtype} for k, d, r in points]}))
+        subprocess.run([sys.executable, "-m", "fusetune.cli", "search", "--kernel", "all",
+                        "--points", str(listed), "--trials", str(trials), "--db", db,
+                        "--compile-workers", "8"], check=True, stdout=subprocess.DEVNULL)
         table = Path(tmp) / "winners.yaml"
-        subprocess.run([sys.executable, "-m", "fusetune.cli", "export", str(table), "--db", db,
-                        "--kernel", kernel], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "fusetune.cli", "export", str(table), "--db", db],
+                       check=True, stdout=subprocess.DEVNULL)
         data = yaml.safe_load(table.read_text())
+    won = {}
     for entries in data["gpus"].values():
-        for e in entries.get(kernel, []):
-            if e["dims"] == dims and e["batch"] * e["seq"] == rows and e["dtype"] == dtype:
-                return dict(e["config"])
-    raise RuntimeError(f"no winner for {kernel} {dims_arg} at {rows} rows in {db}")
+        for kernel, es in entries.items():
+            for e in es:
+                if e["dtype"] == dtype and not e.get("weights"):
+                    won[(kernel, label(e["dims"]), e["batch"] * e["seq"])] = dict(e["config"])
+    missing = [f"{k} {label(d)} at {r} rows" for k, d, r in points if (k, label(d), r) not in won]
+    if missing:
+        raise RuntimeError(f"no winner in {db} for {'; '.join(missing)}")
+    return won
+
+
+def label(dims: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(dims.items()))
 
 
 def make_case(kernel: str, dims: dict[str, int], rows: int, dtype: str, gpu: Any,
-              trials: int, db: str) -> dict[str, Any]:
+              won: dict[tuple[str, str, int], dict[str, int]] | None) -> dict[str, Any]:
     import fusetune
 
     spec = get_spec(kernel)
@@ -68,7 +81,7 @@ def make_case(kernel: str, dims: dict[str, int], rows: int, dtype: str, gpu: Any
     resolution = fusetune.resolve(kernel, dims, dtype, rows=rows, warn=False)
     configs = {"lookup": resolution.config,
                "default": spec.canonical(spec.default_config(point, gpu), point),
-               "search": searched(kernel, dims, rows, dtype, trials, db) if trials else None}
+               "search": None if won is None else won[(kernel, label(dims), rows)]}
     inputs = spec.make_inputs(point, "cuda")
     outputs = spec.make_outputs(inputs)
 
@@ -92,9 +105,10 @@ def main() -> int:
     gpu = start(args)
     if gpu is None:
         return 2
-    cases = [make_case(k, d, r, args.dtype, gpu, args.trials, args.db)
-             for k, d in map(parse_shape, args.shapes.split())
-             for r in (int(x) for x in args.rows.split(","))]
+    points = [(k, d, int(r)) for k, d in map(parse_shape, args.shapes.split())
+              for r in args.rows.split(",")]
+    won = searched(points, args.dtype, args.trials, args.db) if args.trials else None
+    cases = [make_case(k, d, r, args.dtype, gpu, won) for k, d, r in points]
     medians, _ = run(args, cases)
     print(heading(gpu, f"{args.dtype}; lookup: the config fusetune.resolve gives (its source), "
                        f"search: a fresh {args.trials}-trial search's winner"))

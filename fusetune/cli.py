@@ -210,8 +210,16 @@ def _target(backend: str, gpu_name: str | None, dry_run: bool,
                    "`exact` for R rows however they are split), instead of --max-batch and "
                    "--prefill (and --batch/--seq); e.g. 1,4,16,64,256,1024,4096, the rows "
                    "`fusetune coverage` reports.")
+@click.option("--points", "points_file", type=click.Path(dir_okay=False), default=None,
+              metavar="FILE",
+              help="Tune the points a file names instead of --model/--dims and the rows "
+                   "options: a fusetune table (every entry it holds for --gpu: re-tune a table "
+                   "after a Triton upgrade) or a list `points: [{kernel, dims, rows (or batch "
+                   "and seq), dtype, weights, activations}, ...]`. --kernel all takes every "
+                   "kernel in it, a kernel name only that kernel's points.")
 def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
-           dry_run: bool, devices: str | None, rows_opt: list[int] | None) -> None:
+           dry_run: bool, devices: str | None, rows_opt: list[int] | None,
+           points_file: str | None) -> None:
     """Tune KERNEL at every (batch, seq, dtype) point: one Optuna study per point.
 
     Every evaluated config is stored with its status (ok, infeasible, oor, compile_error,
@@ -220,12 +228,18 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
     trials are kept and not redone. With --devices, several GPUs of this host (one model) share
     the points, a worker process each.
     """
-    if rows_opt is not None:
+    if points_file is not None:
+        _check_points_option(args, rows_opt)
+    elif rows_opt is not None:
         _check_rows_option(args)
     target = _target(args.backend, args.gpu_name, dry_run, devices)
     small = target.backend == "interpreter" and not dry_run
-    groups = (_model_groups(args, small, rows_opt) if args.kernel == "all"
-              else [_resolve_points(args, target, small)])
+    if points_file is not None:
+        groups = _file_groups(points_file, args, target)
+    elif args.kernel == "all":
+        groups = _model_groups(args, small, rows_opt)
+    else:
+        groups = [_resolve_points(args, target, small)]
     if dry_run and devices is not None:
         err.print(f"[yellow]note:[/] --devices {devices} is ignored with --dry-run")
     gpu = target.gpu
@@ -244,6 +258,40 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
         _run_search(groups, target, args.db, trials, time_budget, seed, args.worker_timeout,
                     compile_workers=_compile_workers(args, target, False),
                     compile_timeout=args.trial_timeout)
+
+
+def _check_points_option(args: PointArgs, rows_opt: list[int] | None) -> None:
+    """`search --points`: the file names the points; the options that would name them too
+    are a UsageError naming them."""
+    ctx = click.get_current_context()
+    given = [opt for name, opt in (("model", "--model"), ("dim", "--dim"), ("dims_opt", "--dims"),
+                                   ("batch", "--batch"), ("seq", "--seq"), ("dtype", "--dtype"),
+                                   ("weights", "--weights"), ("activations", "--activations"),
+                                   ("max_batch", "--max-batch"), ("prefill", "--prefill"))
+             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)]
+    given += ["--rows"] if rows_opt is not None else []
+    if args.space_path is not None and args.kernel == "all":
+        given.append("--space (with --kernel all: give --kernel too)")
+    if given:
+        raise click.UsageError(f"--points names the points itself (kernel, dims, rows, dtype, "
+                               f"weights): leave out {', '.join(given)}")
+
+
+def _file_groups(path: str, args: PointArgs, target: Target) -> list[_Group]:
+    """`search --points`: (spec, space, points) for each kernel, dims and weights of the
+    file's points (a table's entries for the target's GPU)."""
+    from fusetune.tuner.point_file import load_points
+    from fusetune.tuner.space import SpaceError, load_space
+
+    try:
+        groups = [(spec, load_space(spec, args.space_path), points)
+                  for spec, points in load_points(path, target.gpu.name, args.kernel)]
+    except (SearchError, SpaceError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    n = sum(len(points) for _, _, points in groups)
+    err.print(f"[bold]{path}[/]: {n} points of {len(groups)} kernels and dims for "
+              f"{target.gpu.name}")
+    return groups
 
 
 def _check_rows_option(args: PointArgs) -> None:

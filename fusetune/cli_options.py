@@ -91,7 +91,8 @@ _OPTIONS = (
                       "rmsnorm_bwd, rope_bwd, swiglu, swiglu_bwd), or "
                       "`all`: every kernel that fusetune.patch launches in --model (qkv, ffn, "
                       "linear for o_proj and down_proj, rmsnorm), at its decode and prefill "
-                      "rows (--max-batch, --prefill) or at `search --rows`."),
+                      "rows (--max-batch, --prefill) or at `search --rows`; with `search "
+                      "--points FILE`, every kernel the file names."),
     click.option("--gpu", "gpu_name", default=None,
                  help="GPU the tables are for (3090, h100, a100-80gb; see `fusetune gpus`). Must "
                       "be a visible device when configs run. Default: the first visible GPU."),
