@@ -512,13 +512,20 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
     gpu_name, kernel, dims, dtype, weights, activations = group
     # One row, where it has a structure of its own: a config tuned for more rows (tiles that
     # read the weights once for many rows) runs slower there than the default's one-row
-    # structure, which won at every tuned one-row point.
+    # structure, which won at every tuned one-row point; and a one-row loop tuned for one K
+    # width splits another badly (carried from 3584 and 4096 columns to 5120 and 2048, such
+    # configs ran 1.2-1.4x the default heuristic).
     one_row = spec.one_row_structure and point.rows == 1
+    same = spec.carry_same + (spec.one_row_same if one_row else ())
     found: list[tuple[float, int, tuple[tuple[str, int], ...], Config, EntryInfo]] = []
+    mine = dict(dims)
     for tables in _tables_in_order():
         for key, entries in tables.groups.items():
             if key[:2] != (gpu_name, kernel) or key[3:] != (dtype, weights, activations) \
                     or key[2] == dims:
+                continue
+            theirs = dict(key[2])
+            if any(theirs[name] != mine[name] for name in same):
                 continue
             for r, config in entries:
                 if one_row and r != 1:

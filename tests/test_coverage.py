@@ -102,18 +102,57 @@ def test_one_row_takes_only_one_row_entries_of_other_dims(tmp_path: Path, fresh_
 
 def test_nearby_skips_tiles_that_overhang_the_point(tmp_path: Path, fresh_tables: None,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    # A 2048-wide K step divides 4096 columns and overhangs 5120 (a sixth of its loop masked):
-    # no carry-over there, the default heuristic; 256-wide steps divide both, and carry.
+    # A 2048-wide K slice (8 splits of 256) divides 4096 columns and overhangs 5120 (a sixth of
+    # its loop masked): no carry-over there, the default heuristic; unsplit 256-wide steps
+    # divide both, and carry.
     monkeypatch.setattr(runtime, "_shipped", runtime.Tables())  # this table's entries only
-    wide_k = {**GEMV, "BLOCK_K": 2048}
-    fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 1, wide_k)]))
+    split = {**TILES, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 8}
+    fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 16, split)]))
     assert FFN.padding is not None
-    p = Point.make("ffn", {"dim": 5120, "hidden": 14336}, 1, 1, "bfloat16")
-    assert FFN.padding(FFN.canonical(FFN.validate_config(wide_k), p), p) == pytest.approx(1 / 6)
-    assert resolve(5120, 14336, 1).source == "default"
-    assert resolve(3072 + 1024, 12288, 1).source == "nearby"  # 4096 wide: nothing masked
+    p = Point.make("ffn", {"dim": 5120, "hidden": 14336}, 1, 16, "bfloat16")
+    assert FFN.padding(FFN.canonical(FFN.validate_config(split), p), p) == pytest.approx(1 / 6)
+    assert resolve(5120, 14336, 16).source == "default"
+    assert resolve(3072 + 1024, 12288, 16).source == "nearby"  # 4096 wide: nothing masked
+    fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 16, {**split, "SPLIT_K": 1})]))
+    assert resolve(5120, 14336, 16).source == "nearby"
+
+
+def test_one_row_carries_only_from_the_same_k_width(tmp_path: Path, fresh_tables: None,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # The one-row loop's K steps are tuned to its width: another width's one-row config is no
+    # candidate at one row (even where its steps divide both), the same width's is.
+    monkeypatch.setattr(runtime, "_shipped", runtime.Tables())  # this table's entries only
+    assert FFN.one_row_same == ("dim",)
     fusetune.load_tables(table(tmp_path, [ffn_entry(4096, 14336, 1, {**GEMV, "BLOCK_K": 256})]))
-    assert resolve(5120, 14336, 1).source == "nearby"
+    assert resolve(5120, 14336, 1).source == "default"
+    assert resolve(2048, 11008, 1).source == "default"
+    near = resolve(4096, 11008, 1)
+    assert (near.source, dict(near.dims)) == ("nearby", {"dim": 4096, "hidden": 14336})
+
+
+def test_qkv_carries_only_between_equal_head_widths(tmp_path: Path, fresh_tables: None,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # qkv's tiles lie over the heads' rotation pairs: a config tuned at head_dim 128 is no
+    # candidate at 96 or 256, nor across the pairing, at any row count.
+    monkeypatch.setattr(runtime, "_shipped", runtime.Tables())  # this table's entries only
+    qkv = get_spec("qkv")
+    assert qkv.carry_same == ("head_dim", "interleaved")
+
+    def dims(dim: int, head_dim: int, interleaved: int = 0) -> dict[str, int]:
+        return {"dim": dim, "head_dim": head_dim, "interleaved": interleaved,
+                "n_heads": dim // head_dim, "n_kv_heads": 8}
+
+    entry = {"dims": dims(4096, 128), "dtype": "bfloat16", "batch": 1, "seq": 1024,
+             "config": TILES}
+    fusetune.load_tables(table(tmp_path, [entry], "qkv"))
+
+    def source(d: dict[str, int]) -> str:
+        return fusetune.resolve("qkv", d, "bfloat16", rows=1024, gpu="h100", warn=False).source
+
+    assert source(dims(5120, 128)) == "nearby"
+    assert source(dims(3072, 96)) == "default"
+    assert source(dims(4096, 256)) == "default"
+    assert source(dims(4096, 128, interleaved=1)) == "default"
 
 
 def test_a_marginal_entry_answers_with_the_default(tmp_path: Path, fresh_tables: None,

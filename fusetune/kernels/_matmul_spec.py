@@ -67,6 +67,7 @@ MATMUL_SPEC_FIELDS: dict[str, Any] = {
     "activation_tolerance": fp8.ACT_FP8_TOLERANCE,
     "row_reach": MATMUL_ROW_REACH,
     "one_row_structure": True,
+    "one_row_same": ("dim",),
 }
 
 

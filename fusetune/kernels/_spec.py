@@ -178,7 +178,10 @@ class KernelSpec:
       where it does not grow (None: no such check).
     - `one_row_structure`: one row has a structure of its own (the matmul kernels' BLOCK_M = 1,
       which serves one row only): a one-row lookup carries a config over from other dims only
-      from their one-row entries.
+      from their one-row entries, and only from those that share `one_row_same` (the matmuls'
+      K width: the one-row loop's BLOCK_K, SPLIT_K and UNROLL_K split that width).
+    - `carry_same`: dims a tuned entry must share with a point to lend it its config (qkv's
+      head_dim and pairing: its tiles map onto the heads' rotation pairs).
     """
 
     name: str
@@ -207,6 +210,8 @@ class KernelSpec:
     row_reach: int | None = None
     padding: Callable[[Config, Point], float] | None = None
     one_row_structure: bool = False
+    one_row_same: tuple[str, ...] = ()
+    carry_same: tuple[str, ...] = ()
 
     def point_weights(self, fmt: str, dtype: str) -> str:
         """Point.weights for weights in format `fmt` (one of WEIGHT_CHOICES) with `dtype`

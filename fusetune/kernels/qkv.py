@@ -579,5 +579,9 @@ SPEC = KernelSpec(
     dims_from_model=_dims_from_model,
     source_objects=(_qkv_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
                     _rmsnorm_kernel, *fp8.FP8_SOURCES),
+    # A config's N tiles are laid over the heads' rotation pairs (and its TMA pair loads need
+    # head_dim/2 to be a multiple of BLOCK_N): tuned for one head width, it is no guess for
+    # another.
+    carry_same=("head_dim", "interleaved"),
     **MATMUL_SPEC_FIELDS,
 )
