@@ -16,7 +16,7 @@
 # transformers, pip install 'fusetune[hf]'). The inference kernel steps take about 15 minutes
 # (the training steps are not yet timed), generate longer. Not in the default list: devices
 # (needs two GPUs or more of one model), compile_ahead (several minutes of compiling) and
-# tables (bench_tables: every table entry of this GPU against the default, 5-10 minutes).
+# tables (bench_tables: every table entry of this GPU against the default, 3-5 minutes).
 # DTYPE: the activations of the matmul and RoPE steps (default float16; linear, the training
 # steps and generate: bfloat16). Each step's output goes to $OUT (default ./bench_out) as
 # NAME.log, and its table as NAME.md / NAME.json (generate: the table in its log, rows in
