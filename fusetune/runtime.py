@@ -512,9 +512,9 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
     gpu_name, kernel, dims, dtype, weights, activations = group
     # One row, where it has a structure of its own: a config tuned for more rows (tiles that
     # read the weights once for many rows) runs slower there than the default's one-row
-    # structure, which won at every tuned one-row point; and a one-row loop tuned for one K
-    # width splits another badly (carried from 3584 and 4096 columns to 5120 and 2048, such
-    # configs ran 1.2-1.4x the default heuristic).
+    # structure, which won at every tuned one-row point; and a one-row loop's K steps (BLOCK_K,
+    # SPLIT_K, UNROLL_K) are fitted to its own K width, not to another (BENCHMARKS.md, "Shapes
+    # no table holds").
     one_row = spec.one_row_structure and point.rows == 1
     same = spec.carry_same + (spec.one_row_same if one_row else ())
     found: list[tuple[float, int, tuple[tuple[str, int], ...], Config, EntryInfo]] = []
