@@ -14,7 +14,9 @@ are read once per row (twice when the row is walked in blocks: the second read m
 Tunables (all data, see search_spaces/rmsnorm_bwd.yaml): BLOCK_D (columns a program holds at
 once; smaller than D, it walks each row twice), ROWS (rows per step of a program's loop),
 PROGRAMS (at most this many programs: the rows are shared out in chunks, and the partial-sum
-buffer has that many rows), num_warps, num_stages (software pipelining of the loops' loads).
+buffer has that many rows), num_warps, num_stages (software pipelining of the loops' loads),
+PREFETCH (single pass: each step loads the next step's rows before its own math, so that a
+program keeps reads in flight while it computes and stores; 0 or 1, default 0).
 A config changes the order of the float32 partial sums of dweight, nothing else.
 """
 
@@ -73,6 +75,7 @@ def _rmsnorm_bwd_kernel(
     SINGLE_PASS: tl.constexpr,  # BLOCK_D >= D: the whole row fits, no loop over columns
     STORE_DX: tl.constexpr,  # x requires grad
     STORE_DW: tl.constexpr,  # weight requires grad
+    PREFETCH: tl.constexpr,  # single pass: load the next step's rows before this step's math
 ):
     # Program `pid` owns rows [row_begin, row_end) and walks them ROWS at a time. The chunk
     # is a multiple of ROWS, so a step never reaches into the next program's rows; only the
@@ -90,16 +93,36 @@ def _rmsnorm_bwd_kernel(
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         # dweight of all this program's rows, in registers until the end.
         dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        if PREFETCH:
+            # The first step's rows, loaded ahead (masked past row_end like every step's).
+            rows = row_begin + tl.arange(0, ROWS)
+            mask = (rows < row_end)[:, None] & col_ok[None, :]
+            rows64 = rows[:, None].to(tl.int64)
+            x_next = tl.load(X + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0)
+            dy_next = tl.load(DY + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0)
         for r0 in range(row_begin, row_end, ROWS):
             rows = r0 + tl.arange(0, ROWS)
             row_ok = rows < row_end
             mask = row_ok[:, None] & col_ok[None, :]
             # Row offsets in int64: M * stride can pass 2**31 elements for long sequences.
             rows64 = rows[:, None].to(tl.int64)
-            x = tl.load(X + rows64 * stride_xm + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows64 * stride_dym + cols[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
+            if PREFETCH:
+                # This step's rows were loaded by the step before; the next step's are issued
+                # now, so that their reads are in flight while this step computes and stores.
+                # Past row_end the mask is all false: no memory is read.
+                x = x_next.to(tl.float32)
+                dy = dy_next.to(tl.float32)
+                nrows = rows + ROWS
+                nmask = (nrows < row_end)[:, None] & col_ok[None, :]
+                nrows64 = nrows[:, None].to(tl.int64)
+                x_next = tl.load(X + nrows64 * stride_xm + cols[None, :], mask=nmask, other=0.0)
+                dy_next = tl.load(DY + nrows64 * stride_dym + cols[None, :], mask=nmask,
+                                  other=0.0)
+            else:
+                x = tl.load(X + rows64 * stride_xm + cols[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+                dy = tl.load(DY + rows64 * stride_dym + cols[None, :], mask=mask,
+                             other=0.0).to(tl.float32)
             # A masked row is all zeros: its rstd is finite (eps > 0) and its xhat zero, so it
             # adds nothing to dweight.
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [ROWS], float32
@@ -213,6 +236,7 @@ def _launch_2d(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, dx: torc
         0 if dx is None else dx.stride(0), rpp, eps,
         BLOCK_D=block_d, ROWS=config["ROWS"], SINGLE_PASS=block_d >= d,
         STORE_DX=dx is not None, STORE_DW=dw is not None,
+        PREFETCH=bool(config.get("PREFETCH", 0)) and block_d >= d,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if dw is not None:
@@ -315,7 +339,7 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
     num_warps = 4 if block_d < 2048 else 8 if block_d < 8192 else 16
     programs = 1 << ((2 * gpu.sms).bit_length() - 1)  # the power of two <= 2 · SMs
     return {"BLOCK_D": block_d, "ROWS": 1, "PROGRAMS": programs, "num_warps": num_warps,
-            "num_stages": 1}
+            "num_stages": 1, "PREFETCH": 0}
 
 
 def _canonical(config: Config, point: Point) -> Config:
@@ -328,6 +352,8 @@ def _canonical(config: Config, point: Point) -> Config:
     c["BLOCK_D"] = min(c["BLOCK_D"], next_pow2(d))
     c["ROWS"] = min(c["ROWS"], next_pow2(m))
     c["PROGRAMS"] = min(c["PROGRAMS"], next_pow2(cdiv(m, c["ROWS"])))
+    if c["BLOCK_D"] < next_pow2(d):
+        c["PREFETCH"] = 0  # the two-pass walk has no prefetch variant
     return c
 
 
@@ -338,9 +364,15 @@ def _resources(config: Config, point: Point) -> Resources:
     block_d, rows, stages = config["BLOCK_D"], config["ROWS"], config["num_stages"]
     per_thread = -(-(rows * block_d) // threads)
     per_thread_1d = -(-block_d // threads)
-    # float32 tiles: x and dy (the sums' accumulators in the loop) and two temporaries; the
-    # weight and the dweight sums as vectors; addresses and bookkeeping.
-    regs = 4 * per_thread + 2 * per_thread_1d + 32
+    # float32 tiles: x and dy and, in one pass, one temporary at a time (xhat and g take x's
+    # and dy's places), in two passes the two sums' accumulators beside them; the weight and
+    # the dweight sums as vectors; addresses and bookkeeping. An estimate that is too high
+    # prunes configs that run (a register-bound launch that does not fit fails at launch and is
+    # recorded): one pass with 16 warps at 8192 columns fits, and won.
+    single = block_d >= next_pow2(point.dim["dim"])
+    regs = (3 if single else 4) * per_thread + 2 * per_thread_1d + 32
+    if config.get("PREFETCH") and single:
+        regs += per_thread  # the next step's x and dy, in their own dtype until used
     # Cross-warp scratch of the two per-row sums, of the column sums over ROWS rows, and the
     # pipelined x and dy tiles.
     smem = 2 * rows * warps * 4
@@ -368,7 +400,8 @@ SPEC = KernelSpec(
     description="RMSNorm backward: dx and dweight (float32 math, dweight from float32 partial "
                 "sums), any leading shape",
     dim_names=("dim",),
-    config_keys=("BLOCK_D", "ROWS", "PROGRAMS", "num_warps", "num_stages"),
+    config_keys=("BLOCK_D", "ROWS", "PROGRAMS", "num_warps", "num_stages", "PREFETCH"),
+    flags={"PREFETCH": 0},
     pow2_keys=("BLOCK_D", "ROWS", "PROGRAMS", "num_warps"),
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,

@@ -66,6 +66,12 @@ CONFIGS = {
                                "num_stages": 1},
     "single-a-program-a-row": {"BLOCK_D": 512, "ROWS": 1, "PROGRAMS": 64, "num_warps": 1,
                                "num_stages": 2},
+    # Prefetch: 37 rows in steps of 4 over 4 programs (chunks of 12, 12, 12 and 1 rows: the
+    # last step of each chunk loads past its end, masked), and one row a step in one program.
+    "single-prefetch-rows4": {"BLOCK_D": 512, "ROWS": 4, "PROGRAMS": 4, "num_warps": 2,
+                              "num_stages": 1, "PREFETCH": 1},
+    "single-prefetch-one-program": {"BLOCK_D": 512, "ROWS": 1, "PROGRAMS": 1, "num_warps": 4,
+                                    "num_stages": 2, "PREFETCH": 1},
     "loop-rows4": CFG_LOOP,
     "loop-rows2-many-programs": {"BLOCK_D": 128, "ROWS": 2, "PROGRAMS": 16, "num_warps": 2,
                                  "num_stages": 3},
@@ -137,7 +143,8 @@ def test_only_the_gradients_asked_for(config: dict[str, int]) -> None:
                                                                                       None)
 
 
-@pytest.mark.parametrize("config", [CFG_SINGLE, CFG_LOOP], ids=["single", "loop"])
+@pytest.mark.parametrize("config", [CFG_SINGLE, CFG_LOOP, CONFIGS["single-prefetch-rows4"]],
+                         ids=["single", "loop", "prefetch"])
 def test_every_element_written(config: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """Every buffer torch.empty returns (dx, dweight, the partial rows) starts NaN: an element
     the kernels skip stays NaN, and a partial row read before it is written spreads NaN."""
@@ -328,8 +335,10 @@ def test_cuda_large(dtype: torch.dtype, d: int) -> None:
 @pytest.mark.parametrize("config", [CFG_LOOP, {"BLOCK_D": 1024, "ROWS": 2, "PROGRAMS": 512,
                                                "num_warps": 8, "num_stages": 3},
                                     {"BLOCK_D": 4096, "ROWS": 1, "PROGRAMS": 128,
-                                     "num_warps": 16, "num_stages": 2}],
-                         ids=["loop64", "loop1024", "single"])
+                                     "num_warps": 16, "num_stages": 2},
+                                    {"BLOCK_D": 4096, "ROWS": 2, "PROGRAMS": 256,
+                                     "num_warps": 8, "num_stages": 1, "PREFETCH": 1}],
+                         ids=["loop64", "loop1024", "single", "single-prefetch"])
 def test_cuda_configs_bf16(config: dict[str, int]) -> None:
     x, w, dy = make((4096, 3000), torch.bfloat16, seed=12, device="cuda")
     dx, dw = fusetune.rmsnorm_bwd(x, w, dy, eps=EPS, config=config)
@@ -371,6 +380,11 @@ def test_canonical_caps_block_rows_and_programs() -> None:
     assert config["PROGRAMS"] == 2048  # the argument is not modified
     c = SPEC.canonical({**config, "ROWS": 1}, _point(4096, batch=4096))
     assert c["BLOCK_D"] == 4096 and c["PROGRAMS"] == 2048
+    # PREFETCH belongs to the single pass: a block narrower than the row drops it.
+    assert SPEC.canonical({**config, "PREFETCH": 1}, _point(200, batch=37))["PREFETCH"] == 1
+    assert SPEC.canonical({**config, "BLOCK_D": 64, "PREFETCH": 1},
+                          _point(200, batch=37))["PREFETCH"] == 0
+    assert SPEC.validate_config(config)["PREFETCH"] == 0  # a flag: left out, it is 0
 
 
 def test_canonical_configs_launch_the_same_grid() -> None:
