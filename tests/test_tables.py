@@ -9,6 +9,7 @@ import shlex
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -542,17 +543,22 @@ def test_cached_config_is_fast(tmp_path: Path) -> None:
     device = torch.device("cpu")
     first = runtime.cached_config(SPEC, dims, "float16", 4, device=device)
     assert first == CFG_I
-    n = 10000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        runtime.cached_config(SPEC, dims, "float16", 4, device=device)
-    avg_us = (time.perf_counter() - t0) / n * 1e6
-    assert avg_us < 20, f"cached_config takes {avg_us:.1f} µs per call"
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fusetune.lookup("rmsnorm", DIMS, "float16", rows=4, gpu="interpreter")
-    avg_us = (time.perf_counter() - t0) / n * 1e6
-    assert avg_us < 20, f"lookup takes {avg_us:.1f} µs per call"
+
+    def per_call_us(call: Callable[[], object], n: int = 2000) -> float:
+        # The best of 5 loops: the call's own cost, not a parallel test run's share of the CPU.
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                call()
+            best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        return best
+
+    us = per_call_us(lambda: runtime.cached_config(SPEC, dims, "float16", 4, device=device))
+    assert us < 20, f"cached_config takes {us:.1f} µs per call"
+    us = per_call_us(lambda: fusetune.lookup("rmsnorm", DIMS, "float16", rows=4,
+                                             gpu="interpreter"))
+    assert us < 20, f"lookup takes {us:.1f} µs per call"
 
 
 def test_cached_config_is_shared_but_lookup_copies(tmp_path: Path) -> None:
