@@ -1,0 +1,126 @@
+"""benchmarks/bench_tables.py on Triton's interpreter: which entries it takes, its verdicts and
+exit status, and the same results from several timing processes (timings meaningless)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import fusetune
+from benchmarks import bench_tables
+from fusetune import gpus, runtime
+from fusetune.kernels import REGISTRY, get_spec
+
+RMSNORM = {"BLOCK_D": 64, "ROWS": 2, "num_warps": 4, "num_stages": 1}
+LINEAR = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": 2, "SPLIT_K": 1,
+          "num_warps": 4, "num_stages": 3}
+LINEAR_DIMS = {"bias": 0, "dim": 64, "out": 32, "residual": 1}
+
+
+def write_table(path: Path, marginal: bool = False) -> Path:
+    extra: dict[str, Any] = {"marginal": True} if marginal else {}
+    path.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {}, "gpus": {
+        "interpreter": {
+            "rmsnorm": [{"dims": {"dim": 64}, "dtype": "float32", "batch": 4, "seq": 1,
+                         "config": RMSNORM, **extra}],
+            "linear": [{"dims": LINEAR_DIMS, "dtype": "float32", "batch": 1, "seq": 1,
+                        "config": LINEAR},
+                       {"dims": LINEAR_DIMS, "dtype": "float32", "batch": 8, "seq": 1,
+                        "config": LINEAR, "weights": "fp8-e4m3"}]}}}))
+    return path
+
+
+@pytest.fixture
+def interp(monkeypatch: pytest.MonkeyPatch, fresh_tables: None) -> None:
+    """The interpreter, and no shipped entries (they are for GPUs, none for it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(runtime, "_shipped", runtime.Tables())
+
+
+def todo(table: Path, **narrow: Any) -> list[bench_tables.Entry]:
+    fusetune.load_tables(table)
+    gpu = gpus.resolve("interpreter")
+    out = bench_tables.entries(gpu.name, list(REGISTRY), narrow.get("model"),
+                               narrow.get("weights"), narrow.get("rows"))
+    for e in out:
+        spec, p = get_spec(e.kernel), e.point()
+        e.default = dict(spec.canonical(spec.default_config(p, gpu), p))
+    return out
+
+
+def test_entries_are_the_lookups_narrowed(interp: None, tmp_path: Path) -> None:
+    table = write_table(tmp_path / "t.yaml")
+    assert sorted((e.kernel, e.rows, e.weights) for e in todo(table)) == [
+        ("linear", 1, ""), ("linear", 8, "fp8-e4m3"), ("rmsnorm", 4, "")]
+    assert [(e.kernel, e.rows) for e in todo(table, rows={8})] == [("linear", 8)]
+    assert [(e.kernel, e.rows) for e in todo(table, weights="")] == [("rmsnorm", 4),
+                                                                      ("linear", 1)]
+
+
+def test_verdicts_and_exit_status() -> None:
+    def entry(entry_us: float, default_us: float, marginal: bool = False
+              ) -> bench_tables.Entry:
+        e = bench_tables.Entry("rmsnorm", (("dim", 64),), "float32", 4, "", "", {}, marginal,
+                               measured=True)
+        e.times = {"entry": [(entry_us - 1, entry_us, entry_us + 1)] * 3,
+                   "default": [(default_us - 1, default_us, default_us + 1)] * 3}
+        return e
+
+    # Beyond the larger p20-p80 spread (2 µs) either way, else even; unmeasured, failed.
+    assert bench_tables.verdict(entry(10, 13)) == "faster"
+    assert bench_tables.verdict(entry(13, 10)) == "slower"
+    assert bench_tables.verdict(entry(11, 10)) == "even"
+    failed = entry(10, 10)
+    failed.failed = {"entry": "wrong_result: dx"}
+    assert bench_tables.verdict(failed) == "failed"
+    assert bench_tables.verdict(bench_tables.Entry("rmsnorm", (), "float32", 4, "", "", {},
+                                                   False)) == "not measured"
+    gpu = gpus.resolve("interpreter")
+    # A slower entry the lookup serves fails the run; a slower marginal one (never run) not.
+    assert bench_tables.report([entry(10, 13), entry(13, 10)], gpu, ["cpu"], None, None) == 1
+    assert bench_tables.report([entry(10, 13), entry(13, 10, marginal=True)], gpu, ["cpu"],
+                               None, None) == 0
+    assert bench_tables.report([failed], gpu, ["cpu"], None, None) == 1
+
+
+def test_the_run_on_the_interpreter(interp: None, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    table = write_table(tmp_path / "t.yaml", marginal=True)
+    out_json = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", ["bench_tables", "--device", "cpu", "--tables", str(table),
+                                      "--rounds", "1", "--json", str(out_json)])
+    status = bench_tables.main()
+    assert status in (0, 1)  # the interpreter's timings decide faster or slower
+    printed = capsys.readouterr().out
+    assert "| all | | 3 |" in printed
+    results = json.loads(out_json.read_text())
+    assert sorted(r["kernel"] for r in results) == ["linear", "linear", "rmsnorm"]
+    assert all(r["verdict"] in ("faster", "even", "slower") for r in results)
+    assert [r["marginal"] for r in results if r["kernel"] == "rmsnorm"] == [True]
+    assert all(len(r["times"]["entry"]) == len(r["times"]["default"]) == 1 for r in results)
+
+
+def test_several_timing_processes_measure_every_entry(interp: None, tmp_path: Path) -> None:
+    # The entries dealt out over two processes ("cpu" devices here) come back measured, each
+    # entry in its own place.
+    entries = todo(write_table(tmp_path / "t.yaml"))
+    assert bench_tables.measure_devices(entries, "interpreter", ["cpu", "cpu"], 1, 100)
+    assert all(e.measured and not e.failed and len(e.times["entry"]) == 1 for e in entries)
+
+
+def test_bad_arguments(interp: None, monkeypatch: pytest.MonkeyPatch,
+                       capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    table = str(write_table(tmp_path / "t.yaml"))
+    for args, expected in ((["--kernel", "gemm"], "unknown kernel 'gemm'"),
+                           (["--devices", "0"], "--devices selects CUDA devices"),
+                           (["--rows", "3"], "no table entries for interpreter")):
+        monkeypatch.setattr(sys, "argv", ["bench_tables", "--device", "cpu", "--tables", table,
+                                          *args])
+        assert bench_tables.main() == 2
+        assert expected in capsys.readouterr().err
