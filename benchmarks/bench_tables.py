@@ -12,10 +12,12 @@ entry's median exceeds the default's by more than the larger of their p20-p80 sp
 there) are timed as well, their winner against the default. The exit status is 1 where an entry
 the lookup serves (not marginal) is slower than the default, or a config fails. Configs
 compile first in parallel processes (--jobs) into Triton's on-disk cache, which the timing
-process then loads. With --devices the entries are shared out over several GPUs of one
-model, one timing process each (an entry and its default always on the same GPU). Ctrl-C (or
-SIGINT from `timeout -s INT`) stops the timing: the entries measured so far are reported, the
-rest counted as not measured.
+process then loads. The timing runs in a spawned process, with --devices one per GPU (the
+entries shared out over several GPUs of one model; an entry and its default always on the same
+GPU): a process that dies (an illegal memory access, a crash of the compiler or the driver)
+fails the entry it was on, with that reason, and a new process goes on with the rest. Ctrl-C
+(or SIGINT from `timeout -s INT`) stops the timing: the entries measured so far are reported,
+the rest counted as not measured.
 
 `--device cpu` runs the flow on Triton's interpreter (the interpreter's tables, small dims;
 timings meaningless).
@@ -32,6 +34,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,10 +166,12 @@ def spread(qs: list[tuple[float, float, float]]) -> float:
     return p80 - p20
 
 
-def measure(todo: list[Entry], backend: str, device: str, rounds: int, rep_ms: int) -> bool:
+def measure(todo: list[Entry], backend: str, device: str, rounds: int, rep_ms: int,
+            sent: Callable[[int, Entry], None] | None = None) -> bool:
     """Checks and times each entry's config and the default's, interleaved, point by point
-    (one point's inputs on the device at a time). False if interrupted (KeyboardInterrupt):
-    the entry being timed then and those after it stay not measured."""
+    (one point's inputs on the device at a time); `sent(i, entry)` after each. False if
+    interrupted (KeyboardInterrupt): the entry being timed then and those after it stay not
+    measured."""
     from fusetune.kernels import get_spec
     from fusetune.tuner.bench import Evaluator
 
@@ -175,6 +180,8 @@ def measure(todo: list[Entry], backend: str, device: str, rounds: int, rep_ms: i
             ev = Evaluator(get_spec(e.kernel), e.point(), backend, device)
             _measure_one(e, ev, rounds, rep_ms)
             print(f"[{device} {i + 1}/{len(todo)}] {e.label}: {verdict(e)}", file=sys.stderr)
+            if sent is not None:
+                sent(i, e)
     except KeyboardInterrupt:
         # `timeout -s INT` signals the process and then its group: the second must not
         # interrupt the report.
@@ -208,59 +215,83 @@ def _measure_one(e: Entry, ev: Any, rounds: int, rep_ms: int) -> None:
 
 def _measure_child(todo: list[Entry], backend: str, device: str, rounds: int, rep_ms: int,
                    conn: Any) -> None:
-    """A timing process of --devices: measures its share on `device`, sends the results back
-    (what it measured before an interrupt, too)."""
+    """A timing process: measures `todo` on `device`, sending each entry's result as it comes
+    (what was measured survives the process), then None."""
     import torch
 
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
-        measure(todo, backend, device, rounds, rep_ms)
+        measure(todo, backend, device, rounds, rep_ms,
+                lambda i, e: conn.send((i, e.times, e.failed)))
     except KeyboardInterrupt:  # before measuring began (still importing): nothing measured
         pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second interrupt must not lose the answer
-    conn.send([(e.times, e.failed, e.measured) for e in todo])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second interrupt must not lose the end
+    conn.send(None)
     conn.close()
 
 
 def measure_devices(todo: list[Entry], backend: str, devices: list[str], rounds: int,
                     rep_ms: int) -> bool:
-    """measure() with the entries dealt out over `devices`, one spawned process each. False if
-    interrupted; each process then reports what it measured."""
-    if len(devices) == 1:
-        return measure(todo, backend, devices[0], rounds, rep_ms)
+    """measure() in timing processes (spawned), the entries dealt out over `devices`, one
+    process each. A process that dies (a config's illegal memory access, a crash of the
+    compiler or the driver) fails the entry it was measuring, with the reason, and a new one
+    goes on with the rest of its share. False if interrupted; every process then reports what
+    it measured."""
+    from multiprocessing.connection import wait
+
     ctx = mp.get_context("spawn")
-    shares = [todo[i::len(devices)] for i in range(len(devices))]
-    children = []
-    for device, share in zip(devices, shares, strict=True):
+    running: dict[Any, tuple[Any, str, list[int]]] = {}
+
+    def start(device: str, indices: list[int]) -> None:
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_measure_child, args=(share, backend, device, rounds, rep_ms,
-                                                           send))
+        proc = ctx.Process(target=_measure_child, args=([todo[j] for j in indices], backend,
+                                                        device, rounds, rep_ms, send))
         proc.start()
         send.close()
-        children.append((proc, recv, share))
-    complete = True
-    for proc, recv, share in children:
-        while True:
-            try:
-                got = recv.recv()
-                break
-            except KeyboardInterrupt:  # stop every child; each still sends what it measured
-                complete = False
-                signal.signal(signal.SIGINT, signal.SIG_IGN)  # once is enough (see measure)
-                for other, _, _ in children:
-                    if other.is_alive():
-                        os.kill(other.pid, signal.SIGINT)
-            except EOFError:  # the process died without an answer: its share stays unmeasured
-                got = None
-                break
-        proc.join()
-        if got is None:
-            complete = False
+        running[recv] = (proc, device, indices)
+
+    for k, device in enumerate(devices):
+        if todo[k::len(devices)]:
+            start(device, list(range(len(todo)))[k::len(devices)])
+    interrupted = False
+    while running:
+        try:
+            ready = wait(list(running))
+        except KeyboardInterrupt:  # stop every process; each still reports what it measured
+            interrupted = True
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # once is enough (see measure)
+            for proc, _, _ in running.values():
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGINT)
             continue
-        for e, (times, failed, measured) in zip(share, got, strict=True):
-            e.times, e.failed, e.measured = times, failed, measured
-    return complete and all(e.measured for e in todo)
+        for conn in ready:
+            proc, device, indices = running[conn]
+            try:
+                message = conn.recv()
+            except EOFError:
+                message = EOFError
+            if isinstance(message, tuple):
+                i, times, failed = message
+                e = todo[indices[i]]
+                e.times, e.failed, e.measured = times, failed, True
+                continue
+            del running[conn]
+            proc.join()
+            rest = [j for j in indices if not todo[j].measured]
+            if message is None or not rest or interrupted:
+                continue
+            # Died in the middle of its share: the entry it was on is the culprit.
+            culprit = todo[rest[0]]
+            culprit.failed = {"entry": f"crashed: the timing process on {device} died (exit "
+                                       f"code {proc.exitcode}) checking or timing this entry "
+                                       "or its default"}
+            culprit.measured = True
+            print(f"[{device}] {culprit.label}: {culprit.failed['entry']}; a new process "
+                  "goes on", file=sys.stderr)
+            if rest[1:]:
+                start(device, rest[1:])
+    return not interrupted and all(e.measured for e in todo)
 
 
 def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None,

@@ -124,3 +124,18 @@ def test_bad_arguments(interp: None, monkeypatch: pytest.MonkeyPatch,
                                           *args])
         assert bench_tables.main() == 2
         assert expected in capsys.readouterr().err
+
+
+def test_a_timing_process_that_dies_fails_its_entry_and_the_rest_go_on(interp: None,
+                                                                        tmp_path: Path) -> None:
+    # An entry whose inputs cannot be made (a negative width) ends its timing process with an
+    # exception: that entry is failed as crashed, a new process measures the ones after it.
+    entries = todo(write_table(tmp_path / "t.yaml"))
+    broken = bench_tables.Entry("rmsnorm", (("dim", -5),), "float32", 4, "", "", RMSNORM,
+                                False, default=RMSNORM)
+    entries.insert(1, broken)
+    assert bench_tables.measure_devices(entries, "interpreter", ["cpu"], 1, 100)
+    assert bench_tables.verdict(broken) == "failed"
+    assert broken.failed["entry"].startswith("crashed: the timing process on cpu died")
+    others = [e for e in entries if e is not broken]
+    assert all(e.measured and not e.failed and len(e.times["entry"]) == 1 for e in others)
