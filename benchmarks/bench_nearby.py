@@ -40,11 +40,17 @@ def parse_shape(text: str) -> tuple[str, dict[str, int]]:
     return kernel, {k: int(v) for k, v in (kv.split("=") for kv in dims.split(","))}
 
 
+Key = tuple[str, tuple[tuple[str, int], ...], int]  # (kernel, sorted dims, rows)
+
+
+def key(kernel: str, dims: dict[str, int], rows: int) -> Key:
+    return kernel, tuple(sorted(dims.items())), rows
+
+
 def searched(points: list[tuple[str, dict[str, int], int]], dtype: str, trials: int, db: str
-             ) -> dict[tuple[str, str, int], dict[str, int]]:
+             ) -> dict[Key, dict[str, int]]:
     """The winners of a fresh `fusetune search` of every (kernel, dims, rows) point, one
-    process for all of them (`search --points`, as a user runs it), keyed by (kernel, dims
-    label, rows)."""
+    process for all of them (`search --points`, as a user runs it), keyed by `key`."""
     with tempfile.TemporaryDirectory() as tmp:
         listed = Path(tmp) / "points.yaml"
         listed.write_text(yaml.safe_dump({"points": [
@@ -61,19 +67,15 @@ def searched(points: list[tuple[str, dict[str, int], int]], dtype: str, trials: 
         for kernel, es in entries.items():
             for e in es:
                 if e["dtype"] == dtype and not e.get("weights"):
-                    won[(kernel, label(e["dims"]), e["batch"] * e["seq"])] = dict(e["config"])
-    missing = [f"{k} {label(d)} at {r} rows" for k, d, r in points if (k, label(d), r) not in won]
+                    won[key(kernel, e["dims"], e["batch"] * e["seq"])] = dict(e["config"])
+    missing = [f"{k} {d} at {r} rows" for k, d, r in points if key(k, d, r) not in won]
     if missing:
         raise RuntimeError(f"no winner in {db} for {'; '.join(missing)}")
     return won
 
 
-def label(dims: dict[str, int]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(dims.items()))
-
-
 def make_case(kernel: str, dims: dict[str, int], rows: int, dtype: str, gpu: Any,
-              won: dict[tuple[str, str, int], dict[str, int]] | None) -> dict[str, Any]:
+              won: dict[Key, dict[str, int]] | None) -> dict[str, Any]:
     import fusetune
 
     spec = get_spec(kernel)
@@ -81,7 +83,7 @@ def make_case(kernel: str, dims: dict[str, int], rows: int, dtype: str, gpu: Any
     resolution = fusetune.resolve(kernel, dims, dtype, rows=rows, warn=False)
     configs = {"lookup": resolution.config,
                "default": spec.canonical(spec.default_config(point, gpu), point),
-               "search": None if won is None else won[(kernel, label(dims), rows)]}
+               "search": None if won is None else won[key(kernel, dims, rows)]}
     inputs = spec.make_inputs(point, "cuda")
     outputs = spec.make_outputs(inputs)
 

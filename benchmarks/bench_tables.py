@@ -167,33 +167,27 @@ def spread(qs: list[tuple[float, float, float]]) -> float:
 
 
 def measure(todo: list[Entry], backend: str, device: str, rounds: int, rep_ms: int,
-            sent: Callable[[int, Entry], None] | None = None) -> bool:
+            sent: Callable[[int, Entry], None]) -> None:
     """Checks and times each entry's config and the default's, interleaved, point by point
-    (one point's inputs on the device at a time); `sent(i, entry)` after each. False if
-    interrupted (KeyboardInterrupt): the entry being timed then and those after it stay not
-    measured."""
+    (one point's inputs on the device at a time); `sent(i, entry)` after each. Returns at an
+    interrupt (KeyboardInterrupt): the entry being timed then and those after it are not sent."""
+    try:
+        for i, e in enumerate(todo):
+            _measure_one(e, backend, device, rounds, rep_ms)
+            print(f"[{device} {i + 1}/{len(todo)}] {e.label}: {verdict(e)}", file=sys.stderr)
+            sent(i, e)
+    except KeyboardInterrupt:
+        # `timeout -s INT` signals the process and then its group: the second must not
+        # interrupt the rest.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) -> None:
+    """One entry on its own point; the point's inputs are freed when it returns."""
     from fusetune.kernels import get_spec
     from fusetune.tuner.bench import Evaluator
 
-    try:
-        for i, e in enumerate(todo):
-            ev = Evaluator(get_spec(e.kernel), e.point(), backend, device)
-            _measure_one(e, ev, rounds, rep_ms)
-            print(f"[{device} {i + 1}/{len(todo)}] {e.label}: {verdict(e)}", file=sys.stderr)
-            if sent is not None:
-                sent(i, e)
-    except KeyboardInterrupt:
-        # `timeout -s INT` signals the process and then its group: the second must not
-        # interrupt the report.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for e in todo:
-            if not e.measured:
-                e.times, e.failed = {}, {}
-        return False
-    return True
-
-
-def _measure_one(e: Entry, ev: Any, rounds: int, rep_ms: int) -> None:
+    ev = Evaluator(get_spec(e.kernel), e.point(), backend, device)
     configs = {"entry": e.config, "default": e.default}
     for name, c in configs.items():
         out = ev.check(c)
@@ -252,8 +246,9 @@ def measure_devices(todo: list[Entry], backend: str, devices: list[str], rounds:
         running[recv] = (proc, device, indices)
 
     for k, device in enumerate(devices):
-        if todo[k::len(devices)]:
-            start(device, list(range(len(todo)))[k::len(devices)])
+        share = list(range(k, len(todo), len(devices)))
+        if share:
+            start(device, share)
     interrupted = False
     while running:
         try:

@@ -263,12 +263,10 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
 def _check_points_option(args: PointArgs, rows_opt: list[int] | None) -> None:
     """`search --points`: the file names the points; the options that would name them too
     are a UsageError naming them."""
-    ctx = click.get_current_context()
-    given = [opt for name, opt in (("model", "--model"), ("dim", "--dim"), ("dims_opt", "--dims"),
-                                   ("batch", "--batch"), ("seq", "--seq"), ("dtype", "--dtype"),
-                                   ("weights", "--weights"), ("activations", "--activations"),
-                                   ("max_batch", "--max-batch"), ("prefill", "--prefill"))
-             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)]
+    given = _given((("model", "--model"), ("dim", "--dim"), ("dims_opt", "--dims"),
+                    ("batch", "--batch"), ("seq", "--seq"), ("dtype", "--dtype"),
+                    ("weights", "--weights"), ("activations", "--activations"),
+                    ("max_batch", "--max-batch"), ("prefill", "--prefill")))
     given += ["--rows"] if rows_opt is not None else []
     if args.space_path is not None and args.kernel == "all":
         given.append("--space (with --kernel all: give --kernel too)")
@@ -300,13 +298,19 @@ def _check_rows_option(args: PointArgs) -> None:
     if args.kernel != "all":
         raise click.UsageError(f"--rows applies to --kernel all; for --kernel {args.kernel} "
                                "give the rows as --batch R1,R2,... --seq 1")
-    ctx = click.get_current_context()
-    given = [opt for name, opt in (("max_batch", "--max-batch"), ("prefill", "--prefill"),
-                                   ("batch", "--batch"), ("seq", "--seq"))
-             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)]
+    given = _given((("max_batch", "--max-batch"), ("prefill", "--prefill"),
+                    ("batch", "--batch"), ("seq", "--seq")))
     if given:
         raise click.UsageError(f"--rows gives the row counts itself: leave out "
                                f"{', '.join(given)} (or leave out --rows)")
+
+
+def _given(options: Sequence[tuple[str, str]]) -> list[str]:
+    """Of (parameter name, option) pairs, the options given on the command line (not left at
+    their defaults), in that order."""
+    ctx = click.get_current_context()
+    return [opt for name, opt in options
+            if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)]
 
 
 def _print_plan(spec: Any, space: Any, points: Sequence[Any], target: Any, trials: int) -> None:

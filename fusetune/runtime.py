@@ -524,9 +524,10 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
             if key[:2] != (gpu_name, kernel) or key[3:] != (dtype, weights, activations) \
                     or key[2] == dims:
                 continue
-            theirs = dict(key[2])
-            if any(theirs[name] != mine[name] for name in same):
-                continue
+            if same:
+                theirs = dict(key[2])
+                if any(theirs[name] != mine[name] for name in same):
+                    continue
             for r, config in entries:
                 if one_row and r != 1:
                     continue

@@ -49,10 +49,10 @@ def load_points(path: str | Path, gpu: str, kernel: str = "all") -> list[Group]:
         if kernel != "all" and name != kernel:
             continue
         try:
-            point = _point(name, entry)
+            spec = get_spec(name)  # ValueError naming the valid kernels
+            point = _point(spec, entry)
         except (ValueError, TypeError) as e:
             raise SearchError(f"{where} ({name}): {e}") from None
-        spec = get_spec(name)
         key = (name, point.dims, point.weights, point.activations)
         group = groups.setdefault(key, (spec, []))
         if point not in group[1]:
@@ -81,8 +81,8 @@ def _raw_entries(doc: Any, path: str | Path, gpu: str) -> list[tuple[Any, Any]]:
                       "points (points: [{kernel, dims, rows or batch and seq, dtype}, ...])")
 
 
-def _point(kernel: str, entry: Any) -> Point:
-    spec = get_spec(kernel)  # ValueError naming the valid kernels
+def _point(spec: KernelSpec, entry: Any) -> Point:
+    kernel = spec.name
     if not isinstance(entry, Mapping):
         raise TypeError(f"expected a mapping, got {entry!r}")
     dims = entry.get("dims")
