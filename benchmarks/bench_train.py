@@ -7,8 +7,9 @@ weights, stepped from input embeddings [batch, seq, dim] to a backward of a fixe
 gradient; every parameter's gradient is compared with the same step of the model in float32.
 fusetune: `fusetune.patch(model)` (with gradients recorded each layer runs fusetune.rmsnorm,
 fusetune.rope and fusetune.swiglu, the projections stay torch matmuls). liger:
-`apply_liger_kernel_to_llama` (RMSNorm, RoPE, SwiGLU), timed after the others because it
-replaces transformers' rotary function globally. The ops alone: RMSNorm [tokens, dim], RoPE
+`apply_liger_kernel_to_llama` (RMSNorm, RoPE, SwiGLU; its module-wide replacement of
+transformers' rotary function is in place only during its own steps, so all four run in the
+same interleaved rounds). The ops alone: RMSNorm [tokens, dim], RoPE
 of q [batch, seq, heads, head_dim], SwiGLU [tokens, hidden], forward + backward each.
 
 Times: medians of triton.testing.do_bench (L2 flushed) of plain calls, median of
@@ -67,6 +68,40 @@ def layer_step(model: Any, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], No
     return step
 
 
+def liger_layer(base: Any, x: torch.Tensor, dy: torch.Tensor
+                ) -> tuple[Any, Callable[[], None]] | None:
+    """A copy of `base` patched by Liger Kernel (RMSNorm, RoPE, SwiGLU) and its step; None
+    without Liger Kernel. apply_liger_kernel_to_llama replaces transformers' rotary function
+    (and its RMSNorm and MLP classes) module-wide: they are put back at once, and Liger's
+    rotary function is installed only while its own step runs, so that every implementation
+    runs in the same interleaved rounds and the others keep transformers' code."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except ImportError:
+        return None
+    from transformers.models.llama import modeling_llama as ml
+
+    kept = {n: getattr(ml, n) for n in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")}
+    m = copy.deepcopy(base)
+    try:
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False, model=m)
+        liger_rope = ml.apply_rotary_pos_emb
+    finally:
+        for n, v in kept.items():
+            setattr(ml, n, v)
+    inner = layer_step(m, x, dy)
+
+    def step() -> None:
+        ml.apply_rotary_pos_emb = liger_rope
+        try:
+            inner()
+        finally:
+            ml.apply_rotary_pos_emb = kept["apply_rotary_pos_emb"]
+
+    return m, step
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -94,6 +129,12 @@ def layer_cases(args: argparse.Namespace, impls: list[str]) -> list[str]:
             fusetune.patch(m)
         models[impl] = torch.compile(m) if impl == "compile" else m
     steps = {impl: layer_step(m, x, dy) for impl, m in models.items()}
+    if "liger" in impls:
+        liger = liger_layer(base, x, dy)
+        if liger is None:
+            print("liger skipped: liger_kernel is not installed")
+        else:
+            models["liger"], steps["liger"] = liger
     results: dict[str, dict[str, float | None]] = {}
     for impl, step in steps.items():
         step()  # compiles, tunes nothing: the tables hold the configs
@@ -101,23 +142,6 @@ def layer_cases(args: argparse.Namespace, impls: list[str]) -> list[str]:
             rel_err(p.grad, want[n.removeprefix("_orig_mod.")])
             for n, p in models[impl].named_parameters() if n.removeprefix("_orig_mod.") in want)}
     times = interleaved_medians(steps, args.rounds)
-    if "liger" in impls:
-        try:
-            from liger_kernel.transformers import apply_liger_kernel_to_llama
-        except ImportError:
-            print("liger skipped: liger_kernel is not installed")
-        else:
-            for m in models.values():
-                m.cpu()
-            m = copy.deepcopy(base)
-            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True,
-                                        cross_entropy=False, fused_linear_cross_entropy=False,
-                                        model=m)
-            step = layer_step(m, x, dy)
-            step()
-            results["liger"] = {"peak": peak_mib(step), "err": max(
-                rel_err(p.grad, want[n]) for n, p in m.named_parameters() if n in want)}
-            times.update(interleaved_medians({"liger": step}, args.rounds))
     lines = [f"### One decoder layer, forward + backward: batch {b} × seq {s}, bf16, "
              "Llama-3-8B dims",
              "| implementation | ms | vs HF eager | peak MiB | max grad rel. err vs float32 |",
@@ -243,7 +267,7 @@ def main() -> int:
              f"{triton.__version__}, transformers {transformers.__version__}"]
     if not args.skip_ops:
         lines += op_cases(args, impls)
-    lines += layer_cases(args, impls)  # last: Liger's patch is global
+    lines += layer_cases(args, impls)
     print("\n".join(lines))
     return 0
 

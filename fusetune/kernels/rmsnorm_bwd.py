@@ -16,7 +16,8 @@ once; smaller than D, it walks each row twice), ROWS (rows per step of a program
 PROGRAMS (at most this many programs: the rows are shared out in chunks, and the partial-sum
 buffer has that many rows), num_warps, num_stages (software pipelining of the loops' loads),
 PREFETCH (single pass: each step loads the next step's rows before its own math, so that a
-program keeps reads in flight while it computes and stores; 0 or 1, default 0).
+program keeps reads in flight while it computes and stores; 0 or 1; a config that
+leaves it out has 0).
 A config changes the order of the float32 partial sums of dweight, nothing else.
 """
 
@@ -51,9 +52,11 @@ from fusetune.models import ModelPreset
 
 # The reduction of the partial rows: columns per program and partial rows per step. It reads
 # programs × D float32 (a small part of what the main kernel moves while programs ≪ rows), so
-# its blocks are fixed and the search spends its trials on the main kernel.
-SUM_BLOCK_D = 64
-SUM_BLOCK_P = 32
+# its blocks are fixed and the search spends its trials on the main kernel. The read is short
+# and bound by latency: narrow column blocks give more programs (one per SM at D = 4096), and
+# 64 partial rows a step cover the usual 128-256 programs in two to four steps.
+SUM_BLOCK_D = 32
+SUM_BLOCK_P = 64
 
 
 @triton.jit
@@ -334,12 +337,16 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
     # One row a step, the whole row in registers up to 8K columns (x and dy both live, so half
     # the forward's limit), more warps for wider rows; about two programs per SM, so that
-    # every SM is busy and the partial rows stay few.
-    block_d = min(next_pow2(point.dim["dim"]), 8192)
+    # every SM is busy and the partial rows stay few. Where the row fits, each step loads the
+    # next one ahead: with two programs an SM, a program's math and stores otherwise leave
+    # the memory idle (the prefetch was as fast or faster at every size measured, 2K to 8K
+    # columns; BENCHMARKS.md, "Training").
+    d = point.dim["dim"]
+    block_d = min(next_pow2(d), 8192)
     num_warps = 4 if block_d < 2048 else 8 if block_d < 8192 else 16
     programs = 1 << ((2 * gpu.sms).bit_length() - 1)  # the power of two <= 2 · SMs
     return {"BLOCK_D": block_d, "ROWS": 1, "PROGRAMS": programs, "num_warps": num_warps,
-            "num_stages": 1, "PREFETCH": 0}
+            "num_stages": 1, "PREFETCH": int(block_d >= d)}
 
 
 def _canonical(config: Config, point: Point) -> Config:

@@ -424,6 +424,8 @@ def test_default_config_is_valid_and_fits(d: int, gpu: str) -> None:
     assert SPEC.validate_config(config) == config
     assert config["BLOCK_D"] >= min(next_pow2(d), 8192)
     assert config["PROGRAMS"] <= 2 * g.sms
+    # the next row is loaded ahead wherever a row fits in one block, never in two passes
+    assert config["PREFETCH"] == int(next_pow2(d) <= 8192)
     assert check_fits(SPEC.resources(SPEC.canonical(config, p), p), g) is None
 
 
