@@ -128,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated ROWSxDIM")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
-
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if any(len(s) != 2 for s in shapes):
         ap.error(f"--shapes {args.shapes}: expected ROWSxDIM,ROWSxDIM,...")
