@@ -60,6 +60,18 @@ SUM_BLOCK_P = 64
 
 
 @triton.jit
+def _load_rows(X, DY, rows, row_end, cols, col_ok, stride_xm, stride_dym):
+    # x and dy of `rows` [ROWS] at `cols` [BLOCK_D], in their own dtype; rows at or past
+    # row_end and columns past D (col_ok false) read 0. Row offsets in int64: M * stride can
+    # pass 2**31 elements for long sequences.
+    mask = (rows < row_end)[:, None] & col_ok[None, :]
+    rows64 = rows[:, None].to(tl.int64)
+    x = tl.load(X + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0)
+    return x, dy
+
+
+@triton.jit
 def _rmsnorm_bwd_kernel(
     X,  # *[M, D] the forward's input, row stride stride_xm, unit column stride
     W,  # *[D] weight
@@ -98,34 +110,25 @@ def _rmsnorm_bwd_kernel(
         dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         if PREFETCH:
             # The first step's rows, loaded ahead (masked past row_end like every step's).
-            rows = row_begin + tl.arange(0, ROWS)
-            mask = (rows < row_end)[:, None] & col_ok[None, :]
-            rows64 = rows[:, None].to(tl.int64)
-            x_next = tl.load(X + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0)
-            dy_next = tl.load(DY + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0)
+            x_next, dy_next = _load_rows(X, DY, row_begin + tl.arange(0, ROWS), row_end, cols,
+                                         col_ok, stride_xm, stride_dym)
         for r0 in range(row_begin, row_end, ROWS):
             rows = r0 + tl.arange(0, ROWS)
             row_ok = rows < row_end
+            # The dx store's mask and int64 row offsets (as _load_rows makes them).
             mask = row_ok[:, None] & col_ok[None, :]
-            # Row offsets in int64: M * stride can pass 2**31 elements for long sequences.
             rows64 = rows[:, None].to(tl.int64)
             if PREFETCH:
                 # This step's rows were loaded by the step before; the next step's are issued
                 # now, so that their reads are in flight while this step computes and stores.
                 # Past row_end the mask is all false: no memory is read.
-                x = x_next.to(tl.float32)
-                dy = dy_next.to(tl.float32)
-                nrows = rows + ROWS
-                nmask = (nrows < row_end)[:, None] & col_ok[None, :]
-                nrows64 = nrows[:, None].to(tl.int64)
-                x_next = tl.load(X + nrows64 * stride_xm + cols[None, :], mask=nmask, other=0.0)
-                dy_next = tl.load(DY + nrows64 * stride_dym + cols[None, :], mask=nmask,
-                                  other=0.0)
+                x, dy = x_next, dy_next
+                x_next, dy_next = _load_rows(X, DY, rows + ROWS, row_end, cols, col_ok,
+                                             stride_xm, stride_dym)
             else:
-                x = tl.load(X + rows64 * stride_xm + cols[None, :], mask=mask,
-                            other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows64 * stride_dym + cols[None, :], mask=mask,
-                             other=0.0).to(tl.float32)
+                x, dy = _load_rows(X, DY, rows, row_end, cols, col_ok, stride_xm, stride_dym)
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
             # A masked row is all zeros: its rstd is finite (eps > 0) and its xhat zero, so it
             # adds nothing to dweight.
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [ROWS], float32
@@ -419,5 +422,5 @@ SPEC = KernelSpec(
     cost=_cost,
     canonical=_canonical,
     dims_from_model=_dims_from_model,
-    source_objects=(_rmsnorm_bwd_kernel, _dw_sum_kernel, rows_per_program, _launch_2d),
+    source_objects=(_load_rows, _rmsnorm_bwd_kernel, _dw_sum_kernel, rows_per_program, _launch_2d),
 )
