@@ -16,8 +16,10 @@ once; smaller than D, it walks each row twice), ROWS (rows per step of a program
 PROGRAMS (at most this many programs: the rows are shared out in chunks, and the partial-sum
 buffer has that many rows), num_warps, num_stages (software pipelining of the loops' loads),
 PREFETCH (single pass: each step loads the next step's rows before its own math, so that a
-program keeps reads in flight while it computes and stores; 0 or 1; a config that
-leaves it out has 0).
+program keeps reads in flight while it computes and stores), EVICT (single pass: x and dy are
+loaded as evict-first in the L2, since each byte is read once; whether that pays depends on
+the size against the L2, so the search decides). PREFETCH and EVICT are 0 or 1; a config that
+leaves one out has 0.
 A config changes the order of the float32 partial sums of dweight, nothing else.
 """
 
@@ -60,14 +62,18 @@ SUM_BLOCK_P = 64
 
 
 @triton.jit
-def _load_rows(X, DY, rows, row_end, cols, col_ok, stride_xm, stride_dym):
+def _load_rows(X, DY, rows, row_end, cols, col_ok, stride_xm, stride_dym,
+               POLICY: tl.constexpr):
     # x and dy of `rows` [ROWS] at `cols` [BLOCK_D], in their own dtype; rows at or past
     # row_end and columns past D (col_ok false) read 0. Row offsets in int64: M * stride can
-    # pass 2**31 elements for long sequences.
+    # pass 2**31 elements for long sequences. POLICY: the loads' L2 eviction policy ("" or
+    # "evict_first").
     mask = (rows < row_end)[:, None] & col_ok[None, :]
     rows64 = rows[:, None].to(tl.int64)
-    x = tl.load(X + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(DY + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(X + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=POLICY)
+    dy = tl.load(DY + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0,
+                 eviction_policy=POLICY)
     return x, dy
 
 
@@ -91,6 +97,7 @@ def _rmsnorm_bwd_kernel(
     STORE_DX: tl.constexpr,  # x requires grad
     STORE_DW: tl.constexpr,  # weight requires grad
     PREFETCH: tl.constexpr,  # single pass: load the next step's rows before this step's math
+    POLICY: tl.constexpr,  # single pass: x's and dy's eviction policy ("evict_first" with EVICT)
 ):
     # Program `pid` owns rows [row_begin, row_end) and walks them ROWS at a time. The chunk
     # is a multiple of ROWS, so a step never reaches into the next program's rows; only the
@@ -111,7 +118,7 @@ def _rmsnorm_bwd_kernel(
         if PREFETCH:
             # The first step's rows, loaded ahead (masked past row_end like every step's).
             x_next, dy_next = _load_rows(X, DY, row_begin + tl.arange(0, ROWS), row_end, cols,
-                                         col_ok, stride_xm, stride_dym)
+                                         col_ok, stride_xm, stride_dym, POLICY)
         for r0 in range(row_begin, row_end, ROWS):
             rows = r0 + tl.arange(0, ROWS)
             row_ok = rows < row_end
@@ -124,9 +131,10 @@ def _rmsnorm_bwd_kernel(
                 # Past row_end the mask is all false: no memory is read.
                 x, dy = x_next, dy_next
                 x_next, dy_next = _load_rows(X, DY, rows + ROWS, row_end, cols, col_ok,
-                                             stride_xm, stride_dym)
+                                             stride_xm, stride_dym, POLICY)
             else:
-                x, dy = _load_rows(X, DY, rows, row_end, cols, col_ok, stride_xm, stride_dym)
+                x, dy = _load_rows(X, DY, rows, row_end, cols, col_ok, stride_xm, stride_dym,
+                                   POLICY)
             x = x.to(tl.float32)
             dy = dy.to(tl.float32)
             # A masked row is all zeros: its rstd is finite (eps > 0) and its xhat zero, so it
@@ -243,6 +251,7 @@ def _launch_2d(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, dx: torc
         BLOCK_D=block_d, ROWS=config["ROWS"], SINGLE_PASS=block_d >= d,
         STORE_DX=dx is not None, STORE_DW=dw is not None,
         PREFETCH=bool(config.get("PREFETCH", 0)) and block_d >= d,
+        POLICY="evict_first" if config.get("EVICT", 0) and block_d >= d else "",
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if dw is not None:
@@ -349,7 +358,7 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
     num_warps = 4 if block_d < 2048 else 8 if block_d < 8192 else 16
     programs = 1 << ((2 * gpu.sms).bit_length() - 1)  # the power of two <= 2 · SMs
     return {"BLOCK_D": block_d, "ROWS": 1, "PROGRAMS": programs, "num_warps": num_warps,
-            "num_stages": 1, "PREFETCH": int(block_d >= d)}
+            "num_stages": 1, "PREFETCH": int(block_d >= d), "EVICT": 0}
 
 
 def _canonical(config: Config, point: Point) -> Config:
@@ -363,7 +372,10 @@ def _canonical(config: Config, point: Point) -> Config:
     c["ROWS"] = min(c["ROWS"], next_pow2(m))
     c["PROGRAMS"] = min(c["PROGRAMS"], next_pow2(cdiv(m, c["ROWS"])))
     if c["BLOCK_D"] < next_pow2(d):
-        c["PREFETCH"] = 0  # the two-pass walk has no prefetch variant
+        # The two-pass walk has no prefetch variant, and its first pass's lines must stay in
+        # the L2 for the second: both flags belong to the single pass.
+        c["PREFETCH"] = 0
+        c["EVICT"] = 0
     return c
 
 
@@ -410,8 +422,8 @@ SPEC = KernelSpec(
     description="RMSNorm backward: dx and dweight (float32 math, dweight from float32 partial "
                 "sums), any leading shape",
     dim_names=("dim",),
-    config_keys=("BLOCK_D", "ROWS", "PROGRAMS", "num_warps", "num_stages", "PREFETCH"),
-    flags={"PREFETCH": 0},
+    config_keys=("BLOCK_D", "ROWS", "PROGRAMS", "num_warps", "num_stages", "PREFETCH", "EVICT"),
+    flags={"PREFETCH": 0, "EVICT": 0},
     pow2_keys=("BLOCK_D", "ROWS", "PROGRAMS", "num_warps"),
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,

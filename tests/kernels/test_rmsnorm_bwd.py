@@ -72,6 +72,12 @@ CONFIGS = {
                               "num_stages": 1, "PREFETCH": 1},
     "single-prefetch-one-program": {"BLOCK_D": 512, "ROWS": 1, "PROGRAMS": 1, "num_warps": 4,
                                     "num_stages": 2, "PREFETCH": 1},
+    # Evict-first loads, with and without the prefetch (the interpreter ignores the policy:
+    # this checks that both load paths take it).
+    "single-evict-prefetch": {"BLOCK_D": 512, "ROWS": 2, "PROGRAMS": 4, "num_warps": 2,
+                              "num_stages": 1, "PREFETCH": 1, "EVICT": 1},
+    "single-evict": {"BLOCK_D": 512, "ROWS": 2, "PROGRAMS": 4, "num_warps": 2,
+                     "num_stages": 1, "EVICT": 1},
     "loop-rows4": CFG_LOOP,
     "loop-rows2-many-programs": {"BLOCK_D": 128, "ROWS": 2, "PROGRAMS": 16, "num_warps": 2,
                                  "num_stages": 3},
@@ -337,8 +343,12 @@ def test_cuda_large(dtype: torch.dtype, d: int) -> None:
                                     {"BLOCK_D": 4096, "ROWS": 1, "PROGRAMS": 128,
                                      "num_warps": 16, "num_stages": 2},
                                     {"BLOCK_D": 4096, "ROWS": 2, "PROGRAMS": 256,
-                                     "num_warps": 8, "num_stages": 1, "PREFETCH": 1}],
-                         ids=["loop64", "loop1024", "single", "single-prefetch"])
+                                     "num_warps": 8, "num_stages": 1, "PREFETCH": 1},
+                                    {"BLOCK_D": 4096, "ROWS": 2, "PROGRAMS": 128,
+                                     "num_warps": 16, "num_stages": 1, "PREFETCH": 1,
+                                     "EVICT": 1}],
+                         ids=["loop64", "loop1024", "single", "single-prefetch",
+                              "single-prefetch-evict"])
 def test_cuda_configs_bf16(config: dict[str, int]) -> None:
     x, w, dy = make((4096, 3000), torch.bfloat16, seed=12, device="cuda")
     dx, dw = fusetune.rmsnorm_bwd(x, w, dy, eps=EPS, config=config)
@@ -385,6 +395,11 @@ def test_canonical_caps_block_rows_and_programs() -> None:
     assert SPEC.canonical({**config, "BLOCK_D": 64, "PREFETCH": 1},
                           _point(200, batch=37))["PREFETCH"] == 0
     assert SPEC.validate_config(config)["PREFETCH"] == 0  # a flag: left out, it is 0
+    # EVICT likewise: the two-pass walk re-reads its rows from the L2, so it is dropped there.
+    assert SPEC.canonical({**config, "EVICT": 1}, _point(200, batch=37))["EVICT"] == 1
+    assert SPEC.canonical({**config, "BLOCK_D": 64, "EVICT": 1},
+                          _point(200, batch=37))["EVICT"] == 0
+    assert SPEC.validate_config(config)["EVICT"] == 0
 
 
 def test_canonical_configs_launch_the_same_grid() -> None:
