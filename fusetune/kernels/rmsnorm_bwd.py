@@ -275,7 +275,7 @@ def rmsnorm_bwd(
 
     fusetune.rmsnorm calls it from autograd; the launch configuration comes from the lookup
     tables (kernel rmsnorm_bwd) for this GPU and shape, unless `config` (BLOCK_D, ROWS,
-    PROGRAMS, num_warps, num_stages) is given.
+    PROGRAMS, num_warps, num_stages; the flags PREFETCH and EVICT, 0 when left out) is given.
     """
     if x.ndim < 1:
         raise ValueError("rmsnorm_bwd: x must have at least one dimension")
