@@ -128,19 +128,39 @@ def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = Non
     """`--kernel all`: (spec, space, points) for every kernel and dims a model run by
     fusetune.patch launches, at its decode batch sizes (1, 2, 4, ... up to --max-batch) and
     prefill token counts (--prefill), or at --batch x --seq where given, or at the row counts
-    `rows_opt` (--rows: a point of batch R, seq 1 for each; the lookup keys on rows)."""
+    `rows_opt` (--rows: a point of batch R, seq 1 for each; the lookup keys on rows).
+    `--kernel training`: the same for the kernels of fusetune.patch's training path, at the
+    token rows of a training step (models.TRAINING_ROWS unless --rows or --batch x --seq)."""
     from fusetune.kernels import get_spec
     from fusetune.kernels._spec import Point
-    from fusetune.models import PATCH_KERNELS, load_model, model_rows, patched_dims
+    from fusetune.models import (
+        PATCH_KERNELS,
+        TRAINING_KERNELS,
+        TRAINING_ROWS,
+        load_model,
+        model_rows,
+        patched_dims,
+        trained_dims,
+    )
     from fusetune.tuner.space import SpaceError, load_space
 
+    training = args.kernel == "training"
+    what = "--kernel training tunes every kernel a model launches in training" if training \
+        else "--kernel all tunes every kernel a model launches"
     if args.model is None:
-        raise click.ClickException("--kernel all tunes every kernel a model launches: give "
-                                   "--model (a preset, or a Hugging Face model directory or "
-                                   "config.json)")
+        raise click.ClickException(f"{what}: give --model (a preset, or a Hugging Face model "
+                                   "directory or config.json)")
     if args.dim is not None or args.dims_opt is not None or args.space_path is not None:
-        raise click.ClickException("--kernel all takes its dims from --model and each "
+        raise click.ClickException(f"--kernel {args.kernel} takes its dims from --model and each "
                                    "kernel's own space: leave out --dim, --dims and --space")
+    if training:
+        # The training path runs 16-bit weights, and it has no decode steps or prefills.
+        given = _given((("weights", "--weights"), ("activations", "--activations"),
+                        ("max_batch", "--max-batch"), ("prefill", "--prefill")))
+        if given:
+            raise click.UsageError(f"--kernel training tunes the training path (16-bit weights, "
+                                   f"a step's token rows): leave out {', '.join(given)}; give "
+                                   f"the rows as --rows R,R,... or --batch and --seq")
     try:
         model = load_model(args.model)
     except ValueError as e:
@@ -150,14 +170,20 @@ def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = Non
     elif args.batch is not None or args.seq is not None:
         grid = INTERPRETER_GRID if small else DEFAULT_GRID
         rows = [(b, s) for s in (args.seq or grid["seq"]) for b in (args.batch or grid["batch"])]
+    elif training:
+        rows = [(r, 1) for r in TRAINING_ROWS]
     else:
         batches = [1 << i for i in range(args.max_batch.bit_length())
                    if 1 << i <= args.max_batch]
         rows = model_rows(batches, args.prefill)
     dtypes = args.dtype or [model.dtype]
+    if training:
+        kernel_dims = {k: [dims for _, dims in uses] for k, uses in trained_dims(model).items()}
+    else:
+        kernel_dims = patched_dims(model)
     groups = []
     try:
-        for kernel in PATCH_KERNELS:
+        for kernel in TRAINING_KERNELS if training else PATCH_KERNELS:
             spec = get_spec(kernel)
             space = load_space(spec)
             weights = activations = ""
@@ -167,7 +193,7 @@ def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = Non
             elif args.activations != "16bit" and args.weights is None:
                 raise click.ClickException("--activations fp8 needs --weights fp8-e4m3 or "
                                            "fp8-e5m2")
-            for dims in patched_dims(model)[kernel]:
+            for dims in kernel_dims[kernel]:
                 points = [Point.make(kernel, dims, b, s, d, weights, activations)
                           for d in dtypes for b, s in rows]
                 groups.append((spec, space, points))
@@ -205,11 +231,11 @@ def _target(backend: str, gpu_name: str | None, dry_run: bool,
                    "device (implies --isolate); the points are shared out as a queue. The "
                    "devices must be one GPU model.")
 @click.option("--rows", "rows_opt", callback=int_list, default=None, metavar="R,R,...",
-              help="--kernel all: the row counts (batch x seq) to tune, one point of R rows "
-                   "each (batch R, seq 1: the lookup keys on rows, so that point answers "
-                   "`exact` for R rows however they are split), instead of --max-batch and "
-                   "--prefill (and --batch/--seq); e.g. 1,4,16,64,256,1024,4096, the rows "
-                   "`fusetune coverage` reports.")
+              help="--kernel all or training: the row counts (batch x seq) to tune, one point "
+                   "of R rows each (batch R, seq 1: the lookup keys on rows, so that point "
+                   "answers `exact` for R rows however they are split), instead of "
+                   "--max-batch and --prefill (and --batch/--seq); e.g. "
+                   "1,4,16,64,256,1024,4096, the rows `fusetune coverage` reports.")
 @click.option("--points", "points_file", type=click.Path(dir_okay=False), default=None,
               metavar="FILE",
               help="Tune the points a file names instead of --model/--dims and the rows "
@@ -236,7 +262,7 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
     small = target.backend == "interpreter" and not dry_run
     if points_file is not None:
         groups = _file_groups(points_file, args, target)
-    elif args.kernel == "all":
+    elif args.kernel in ("all", "training"):
         groups = _model_groups(args, small, rows_opt)
     else:
         groups = [_resolve_points(args, target, small)]
@@ -268,8 +294,8 @@ def _check_points_option(args: PointArgs, rows_opt: list[int] | None) -> None:
                     ("weights", "--weights"), ("activations", "--activations"),
                     ("max_batch", "--max-batch"), ("prefill", "--prefill")))
     given += ["--rows"] if rows_opt is not None else []
-    if args.space_path is not None and args.kernel == "all":
-        given.append("--space (with --kernel all: give --kernel too)")
+    if args.space_path is not None and args.kernel in ("all", "training"):
+        given.append(f"--space (with --kernel {args.kernel}: give a kernel's name)")
     if given:
         raise click.UsageError(f"--points names the points itself (kernel, dims, rows, dtype, "
                                f"weights): leave out {', '.join(given)}")
@@ -278,14 +304,21 @@ def _check_points_option(args: PointArgs, rows_opt: list[int] | None) -> None:
 def _file_groups(path: str, args: PointArgs, target: Target) -> list[_Group]:
     """`search --points`: (spec, space, points) for each kernel, dims and weights of the
     file's points (a table's entries for the target's GPU)."""
+    from fusetune.models import TRAINING_KERNELS
     from fusetune.tuner.point_file import load_points
     from fusetune.tuner.space import SpaceError, load_space
 
+    training = args.kernel == "training"
     try:
         groups = [(spec, load_space(spec, args.space_path), points)
-                  for spec, points in load_points(path, target.gpu.name, args.kernel)]
+                  for spec, points in load_points(path, target.gpu.name,
+                                                  "all" if training else args.kernel)
+                  if not training or spec.name in TRAINING_KERNELS]
     except (SearchError, SpaceError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    if not groups:
+        raise click.ClickException(f"--points {path}: no points of the training kernels "
+                                   f"({', '.join(TRAINING_KERNELS)}) for {target.gpu.name} in it")
     n = sum(len(points) for _, _, points in groups)
     err.print(f"[bold]{path}[/]: {n} points of {len(groups)} kernels and dims for "
               f"{target.gpu.name}")
@@ -295,9 +328,9 @@ def _file_groups(path: str, args: PointArgs, target: Target) -> list[_Group]:
 def _check_rows_option(args: PointArgs) -> None:
     """`search --rows`: only with --kernel all, and instead of the other ways to give rows
     (UsageError naming the options given with it)."""
-    if args.kernel != "all":
-        raise click.UsageError(f"--rows applies to --kernel all; for --kernel {args.kernel} "
-                               "give the rows as --batch R1,R2,... --seq 1")
+    if args.kernel not in ("all", "training"):
+        raise click.UsageError(f"--rows applies to --kernel all and training; for --kernel "
+                               f"{args.kernel} give the rows as --batch R1,R2,... --seq 1")
     given = _given((("max_batch", "--max-batch"), ("prefill", "--prefill"),
                     ("batch", "--batch"), ("seq", "--seq")))
     if given:
@@ -635,15 +668,20 @@ def _print_retime_failures(result: Any, out: Console) -> None:
               help="fp8-e4m3 or fp8-e5m2 for FP8 projections (default: the model's dtype).")
 @click.option("--activations", type=click.Choice(("16bit", "fp8")), default="16bit",
               show_default=True, help="fp8: FP8 activations beside FP8 weights.")
-@click.option("--rows", callback=int_list, default="1,4,16,64,256,1024,4096",
-              show_default=True, help="Row counts (batch x sequence) to look up.")
+@click.option("--rows", callback=int_list, default=None,
+              help="Row counts (batch x sequence) to look up. Default: 1,4,16,64,256,1024,4096; "
+                   "with --training 4096,8192,16384.")
+@click.option("--training", is_flag=True,
+              help="The kernels of the patched model's training path (rmsnorm and its "
+                   "backward, rope and rope_bwd on q and on k, swiglu and swiglu_bwd) instead "
+                   "of its inference path; 16-bit weights.")
 @click.option("--tables", "table_paths", multiple=True, type=click.Path(dir_okay=False),
               help="Table files to read before the shipped tables (default: FUSETUNE_TABLES, "
                    "then the shipped ones).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def coverage(model: str, gpu_name: str | None, dtype: str | None, weights: str | None,
-             activations: str, rows: list[int], table_paths: tuple[str, ...],
-             as_json: bool) -> None:
+             activations: str, rows: list[int] | None, training: bool,
+             table_paths: tuple[str, ...], as_json: bool) -> None:
     """Where each config of a patched model comes from on one GPU.
 
     For every kernel and dims that fusetune.patch launches in MODEL and every row count: exact
@@ -659,8 +697,13 @@ def coverage(model: str, gpu_name: str | None, dtype: str | None, weights: str |
     from fusetune import gpus as g
     from fusetune.coverage import coverage as model_coverage
     from fusetune.kernels._spec import point_activations, point_weights
-    from fusetune.models import load_model
+    from fusetune.models import TRAINING_ROWS, load_model
 
+    if training and (weights is not None or activations != "16bit"):
+        raise click.UsageError("--training: the training path runs 16-bit weights; leave out "
+                               "--weights and --activations")
+    if rows is None:
+        rows = list(TRAINING_ROWS) if training else [1, 4, 16, 64, 256, 1024, 4096]
     try:
         m = load_model(model)
         if gpu_name is None:
@@ -675,13 +718,13 @@ def coverage(model: str, gpu_name: str | None, dtype: str | None, weights: str |
         a = point_activations(activations, w)
         if table_paths:
             fusetune.load_tables(*table_paths)
-        report = model_coverage(m, gpu, d, w, a, rows)
+        report = model_coverage(m, gpu, d, w, a, rows, training)
     except (ValueError, fusetune.TableError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
         click.echo(json.dumps([r.as_dict() for r in report], indent=1))
         return
-    t = Table(title=f"Configs of {m.name} on {gpu}, {d}"
+    t = Table(title=f"Configs of {m.name}{' (training)' if training else ''} on {gpu}, {d}"
               + (f", weights {w}" if w else "") + (f", {a} activations" if a else ""))
     for col in ("kernel", "use", "dims", "rows", "source", "from", "recorded speedup"):
         t.add_column(col, overflow="fold")

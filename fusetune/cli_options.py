@@ -92,7 +92,10 @@ _OPTIONS = (
                       "`all`: every kernel that fusetune.patch launches in --model (qkv, ffn, "
                       "linear for o_proj and down_proj, rmsnorm), at its decode and prefill "
                       "rows (--max-batch, --prefill) or at `search --rows`; with `search "
-                      "--points FILE`, every kernel the file names."),
+                      "--points FILE`, every kernel the file names. `training`: every kernel "
+                      "of the patched model's training path (rmsnorm and rmsnorm_bwd, rope and "
+                      "rope_bwd on q and on k, swiglu and swiglu_bwd), at a step's token rows "
+                      "(4096, 8192, 16384 unless --rows or --batch/--seq)."),
     click.option("--gpu", "gpu_name", default=None,
                  help="GPU the tables are for (3090, h100, a100-80gb; see `fusetune gpus`). Must "
                       "be a visible device when configs run. Default: the first visible GPU."),

@@ -1,5 +1,6 @@
 """Where the configs of a patched model come from (`fusetune coverage`): for every point the
-model launches through fusetune.patch, the lookup's answer on one GPU (exact, rows, nearby or
+model launches through fusetune.patch (its inference path, or with `--training` its training
+path), the lookup's answer on one GPU (exact, rows, nearby or
 default; marginal where the entry's tuning found nothing better than the default heuristic,
 whose config then runs) and the speedup its table entry recorded over the default."""
 
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusetune.models import PATCH_KERNELS, ModelPreset, patched_dims
+from fusetune.models import PATCH_KERNELS, TRAINING_KERNELS, ModelPreset, patched_dims, trained_dims
 
 # What each kernel's dims stand for in a decoder layer (linear: two projections).
 USES = {"qkv": ("qkv",), "ffn": ("gate_up",), "linear": ("o_proj", "down_proj"),
@@ -38,18 +39,24 @@ class CoverageRow:
 
 
 def coverage(model: ModelPreset, gpu: str, dtype: str, weights: str, activations: str,
-             rows: Sequence[int]) -> list[CoverageRow]:
+             rows: Sequence[int], training: bool = False) -> list[CoverageRow]:
     """The lookup's answer for every kernel, use and row count of `model` on `gpu` (no warning
     for a missing entry: this is the report of them). `weights` and `activations` as Point's
-    (the norm has no weights)."""
+    (the norm has no weights). `training`: the kernels of fusetune.patch's training path
+    (models.trained_dims) instead of its inference path."""
     from fusetune.kernels import get_spec
     from fusetune.tables import resolve
 
+    if training:
+        uses = trained_dims(model)
+    else:
+        dims_of = patched_dims(model)
+        uses = {k: list(zip(USES[k], dims_of[k], strict=True)) for k in PATCH_KERNELS}
     out = []
-    for kernel in PATCH_KERNELS:
+    for kernel in TRAINING_KERNELS if training else PATCH_KERNELS:
         spec = get_spec(kernel)
         w, a = (weights, activations) if spec.weight_formats else ("", "")
-        for use, dims in zip(USES[kernel], patched_dims(model)[kernel], strict=True):
+        for use, dims in uses[kernel]:
             for r in rows:
                 res = resolve(kernel, dims, dtype, rows=r, weights=w, activations=a, gpu=gpu,
                               warn=False)

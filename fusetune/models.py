@@ -1,6 +1,7 @@
 """Models: the dimensions that decide each kernel's shapes, by preset name (`--model
 llama-3-8b`) or read from a Hugging Face config.json (`--model path/to/model`), and the points a
-patched model launches (`model_points`: what `fusetune search --model M --kernel all` tunes)."""
+patched model launches (`patched_dims`, `trained_dims`: what `fusetune search --model M --kernel
+all` and `--kernel training` tune)."""
 
 from __future__ import annotations
 
@@ -135,6 +136,30 @@ def patched_dims(model: ModelPreset) -> dict[str, list[dict[str, int]]]:
                    {"dim": model.hidden, "out": model.dim, "bias": 0, "residual": 1}],
         "rmsnorm": [{"dim": model.dim}],
     }
+
+
+# The kernels a patched model launches in training mode (gradients recorded; the projections
+# stay cuBLAS matmuls), and the token rows of a training step tuned by default (micro-batch ×
+# sequence length; what `search --kernel training` and `coverage --training` take without
+# --rows).
+TRAINING_KERNELS = ("rmsnorm", "rmsnorm_bwd", "rope", "rope_bwd", "swiglu", "swiglu_bwd")
+TRAINING_ROWS = (4096, 8192, 16384)
+
+
+def trained_dims(model: ModelPreset) -> dict[str, list[tuple[str, dict[str, int]]]]:
+    """(use, dims) of each kernel a model launches in fusetune.patch's training path: the norms
+    and their backward, RoPE on q and on k (Hugging Face's rotate_half pairing, interleaved 0;
+    one dims where the model has as many key/value heads as query heads) and its backward, the
+    SwiGLU gate silu(gate)·up and its backward."""
+    norm = [("norm", {"dim": model.dim})]
+    if model.n_kv_heads == model.n_heads:
+        rope = [("q, k", {"head_dim": model.head_dim, "heads": model.n_heads, "interleaved": 0})]
+    else:
+        rope = [(use, {"head_dim": model.head_dim, "heads": heads, "interleaved": 0})
+                for use, heads in (("q", model.n_heads), ("k", model.n_kv_heads))]
+    glu = [("gate", {"hidden": model.hidden})]
+    return {"rmsnorm": norm, "rmsnorm_bwd": norm, "rope": rope, "rope_bwd": rope,
+            "swiglu": glu, "swiglu_bwd": glu}
 
 
 def model_rows(decode_batches: Sequence[int], prefill_tokens: Sequence[int]

@@ -226,6 +226,37 @@ def test_coverage_names_each_points_source(tmp_path: Path, fresh_tables: None) -
     assert bad.exit_code != 0 and "unknown model 'phi-9'; valid:" in bad.output
 
 
+def test_coverage_of_the_training_path(tmp_path: Path, fresh_tables: None) -> None:
+    # --training: the kernels of the training path, at a step's token rows by default;
+    # swiglu_bwd entries at 4096 and 16384 rows answer those exactly and 8192 by rows (float16:
+    # the shipped tables hold bfloat16 entries of these points).
+    def entry(rows: int) -> dict[str, Any]:
+        return {"dims": {"hidden": 14336}, "dtype": "float16", "batch": rows, "seq": 1,
+                "config": {"BLOCK": 512, "ROWS": 4, "num_warps": 16}}
+
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {}, "gpus": {"h100": {
+        "swiglu_bwd": [entry(4096), entry(16384)]}}}))
+    r = CliRunner().invoke(cli.main, ["coverage", "--model", "llama-3-8b", "--gpu", "h100",
+                                      "--training", "--dtype", "float16", "--tables", str(path),
+                                      "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)
+    assert {(x["kernel"], x["use"]) for x in rows} == {
+        ("rmsnorm", "norm"), ("rmsnorm_bwd", "norm"), ("rope", "q"), ("rope", "k"),
+        ("rope_bwd", "q"), ("rope_bwd", "k"), ("swiglu", "gate"), ("swiglu_bwd", "gate")}
+    assert {x["rows"] for x in rows} == {4096, 8192, 16384}
+    glu = {x["rows"]: x["source"] for x in rows if x["kernel"] == "swiglu_bwd"}
+    assert glu == {4096: "exact", 8192: "rows", 16384: "exact"}
+    shown = CliRunner().invoke(cli.main, ["coverage", "--model", "llama-3-8b", "--gpu", "h100",
+                                          "--training", "--rows", "8192", "--tables",
+                                          str(path)])
+    assert shown.exit_code == 0 and "(training)" in shown.output, shown.output
+    fp8 = CliRunner().invoke(cli.main, ["coverage", "--model", "llama-3-8b", "--gpu", "h100",
+                                        "--training", "--weights", "fp8-e4m3"])
+    assert fp8.exit_code == 2 and "the training path runs 16-bit weights" in fp8.output
+
+
 def test_coverage_counts_a_marginal_entry_as_tuned(tmp_path: Path, fresh_tables: None) -> None:
     # A point tuned and found no better than the default heuristic is covered: exact (rows for
     # fewer rows), with the marginal flag, and the lookup's config is the default's.

@@ -1,5 +1,5 @@
 """Models by preset or Hugging Face config.json, and the points a patched model launches
-(`fusetune search --model M --kernel all`)."""
+(`fusetune search --model M --kernel all`, and `--kernel training` for its training path)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,15 @@ from click.testing import CliRunner, Result
 
 from fusetune import cli, gpus
 from fusetune.db.store import Store
-from fusetune.models import ModelError, load_model, model_rows, patched_dims
+from fusetune.models import (
+    TRAINING_KERNELS,
+    TRAINING_ROWS,
+    ModelError,
+    load_model,
+    model_rows,
+    patched_dims,
+    trained_dims,
+)
 from fusetune.tuner import worker
 from fusetune.tuner.children import start_child
 from fusetune.tuner.search import Target
@@ -160,6 +168,91 @@ def test_points_searched_at_rows_are_what_coverage_reports_exact(
         assert {(x["source"], x["rows"] == x["tuned_rows"]) for x in report} == {("exact", True)}
 
 
+def test_trained_model_points() -> None:
+    # RoPE runs on q and on k with Hugging Face's pairing; with grouped-query attention they
+    # have different head counts and so different points, otherwise one.
+    dims = trained_dims(load_model("llama-3-8b"))
+    assert list(dims) == list(TRAINING_KERNELS)
+    for kernel in ("rope", "rope_bwd"):
+        assert dims[kernel] == [("q", {"head_dim": 128, "heads": 32, "interleaved": 0}),
+                                ("k", {"head_dim": 128, "heads": 8, "interleaved": 0})]
+    for kernel in ("rmsnorm", "rmsnorm_bwd"):
+        assert dims[kernel] == [("norm", {"dim": 4096})]
+    assert dims["swiglu"] == dims["swiglu_bwd"] == [("gate", {"hidden": 14336})]
+    mha = trained_dims(load_model("llama-2-7b"))
+    assert mha["rope"] == [("q, k", {"head_dim": 128, "heads": 32, "interleaved": 0})]
+
+
+def planned_training(monkeypatch: pytest.MonkeyPatch, *args: str
+                     ) -> tuple[Result, list[tuple[Any, Any]]]:
+    """`search --kernel training --dry-run ARGS` and the (spec, point) it plans."""
+    seen: list[tuple[Any, Any]] = []
+    monkeypatch.setattr(cli, "_print_plan", lambda spec, space, points, target, trials:
+                        seen.extend((spec, p) for p in points))
+    r = CliRunner().invoke(cli.main, ["search", "--kernel", "training", "--gpu", "h100",
+                                      "--dry-run", *args])
+    return r, seen
+
+
+def test_search_training_plans_the_training_paths_points(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    r, seen = planned_training(monkeypatch, "--model", "llama-3-8b")
+    assert r.exit_code == 0, r.output
+    assert "8 kernels and dims, rows 4096, 8192, 16384, bfloat16" in r.output
+    by_dims: dict[tuple[str, Any], list[Any]] = {}
+    for spec, p in seen:
+        by_dims.setdefault((spec.name, p.dims), []).append(p)
+    expected = {(k, tuple(sorted(d.items()))) for k, uses in
+                trained_dims(load_model("llama-3-8b")).items() for _, d in uses}
+    assert {(k, tuple(sorted(dict(dims).items()))) for k, dims in by_dims} == expected
+    for points in by_dims.values():
+        assert [(p.batch, p.seq) for p in points] == [(r, 1) for r in TRAINING_ROWS]
+        assert {(p.dtype, p.weights, p.activations) for p in points} == {("bfloat16", "", "")}
+    # --rows and --batch/--seq give other rows, as for --kernel all
+    r, seen = planned_training(monkeypatch, "--model", "llama-3-8b", "--rows", "2048")
+    assert r.exit_code == 0, r.output
+    assert {(p.batch, p.seq) for _, p in seen} == {(2048, 1)}
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--weights", "fp8-e4m3"], "leave out --weights"),
+    (["--max-batch", "4"], "leave out --max-batch"),
+    (["--prefill", "512"], "leave out --prefill"),
+])
+def test_search_training_refuses_inference_options(args: list[str], expected: str) -> None:
+    r = CliRunner().invoke(cli.main, ["search", "--kernel", "training", "--model", "llama-3-8b",
+                                      "--gpu", "h100", "--dry-run", *args])
+    assert r.exit_code == 2, r.output
+    assert "--kernel training tunes the training path" in r.output and expected in r.output
+    missing = CliRunner().invoke(cli.main, ["search", "--kernel", "training", "--gpu", "h100",
+                                            "--dry-run"])
+    assert missing.exit_code != 0
+    assert "--kernel training tunes every kernel a model launches in training" in missing.output
+
+
+def test_search_training_points_file_takes_the_training_kernels_only(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen: list[tuple[Any, Any]] = []
+    monkeypatch.setattr(cli, "_print_plan", lambda spec, space, points, target, trials:
+                        seen.extend((spec, p) for p in points))
+    f = tmp_path / "points.yaml"
+    f.write_text(yaml.safe_dump({"points": [
+        {"kernel": "swiglu_bwd", "dims": {"hidden": 14336}, "rows": 8192, "dtype": "bfloat16"},
+        {"kernel": "ffn", "dims": {"dim": 4096, "hidden": 14336}, "rows": 1,
+         "dtype": "bfloat16"}]}))
+    r = CliRunner().invoke(cli.main, ["search", "--kernel", "training", "--gpu", "h100",
+                                      "--dry-run", "--points", str(f)])
+    assert r.exit_code == 0, r.output
+    assert [(spec.name, p.rows) for spec, p in seen] == [("swiglu_bwd", 8192)]
+    g = tmp_path / "inference.yaml"
+    g.write_text(yaml.safe_dump({"points": [
+        {"kernel": "ffn", "dims": {"dim": 4096, "hidden": 14336}, "rows": 1,
+         "dtype": "bfloat16"}]}))
+    r = CliRunner().invoke(cli.main, ["search", "--kernel", "training", "--gpu", "h100",
+                                      "--dry-run", "--points", str(g)])
+    assert r.exit_code != 0 and "no points of the training kernels" in r.output
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--max-batch", "4"], "leave out --max-batch"),
     (["--prefill", "512"], "leave out --prefill"),
@@ -176,7 +269,8 @@ def test_search_rows_is_for_kernel_all() -> None:
     r = CliRunner().invoke(cli.main, ["search", "--kernel", "ffn", "--gpu", "h100", "--dry-run",
                                       "--rows", "1,4"])
     assert r.exit_code == 2, r.output
-    assert "--rows applies to --kernel all; for --kernel ffn give the rows as --batch" in r.output
+    assert "--rows applies to --kernel all and training; for --kernel ffn give the rows as " \
+        "--batch" in r.output
 
 
 # ---- `search --kernel all` on the interpreter: one worker per device serves every kernel -------
