@@ -133,15 +133,7 @@ def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = Non
     token rows of a training step (models.TRAINING_ROWS unless --rows or --batch x --seq)."""
     from fusetune.kernels import get_spec
     from fusetune.kernels._spec import Point
-    from fusetune.models import (
-        PATCH_KERNELS,
-        TRAINING_KERNELS,
-        TRAINING_ROWS,
-        load_model,
-        model_rows,
-        patched_dims,
-        trained_dims,
-    )
+    from fusetune.models import TRAINING_ROWS, launched_dims, load_model, model_rows
     from fusetune.tuner.space import SpaceError, load_space
 
     training = args.kernel == "training"
@@ -177,13 +169,9 @@ def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = Non
                    if 1 << i <= args.max_batch]
         rows = model_rows(batches, args.prefill)
     dtypes = args.dtype or [model.dtype]
-    if training:
-        kernel_dims = {k: [dims for _, dims in uses] for k, uses in trained_dims(model).items()}
-    else:
-        kernel_dims = patched_dims(model)
     groups = []
     try:
-        for kernel in TRAINING_KERNELS if training else PATCH_KERNELS:
+        for kernel, uses in launched_dims(model, training).items():
             spec = get_spec(kernel)
             space = load_space(spec)
             weights = activations = ""
@@ -193,7 +181,7 @@ def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = Non
             elif args.activations != "16bit" and args.weights is None:
                 raise click.ClickException("--activations fp8 needs --weights fp8-e4m3 or "
                                            "fp8-e5m2")
-            for dims in kernel_dims[kernel]:
+            for _, dims in uses:
                 points = [Point.make(kernel, dims, b, s, d, weights, activations)
                           for d in dtypes for b, s in rows]
                 groups.append((spec, space, points))
@@ -326,8 +314,8 @@ def _file_groups(path: str, args: PointArgs, target: Target) -> list[_Group]:
 
 
 def _check_rows_option(args: PointArgs) -> None:
-    """`search --rows`: only with --kernel all, and instead of the other ways to give rows
-    (UsageError naming the options given with it)."""
+    """`search --rows`: only with --kernel all or training, and instead of the other ways to
+    give rows (UsageError naming the options given with it)."""
     if args.kernel not in ("all", "training"):
         raise click.UsageError(f"--rows applies to --kernel all and training; for --kernel "
                                f"{args.kernel} give the rows as --batch R1,R2,... --seq 1")

@@ -10,11 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusetune.models import PATCH_KERNELS, TRAINING_KERNELS, ModelPreset, patched_dims, trained_dims
-
-# What each kernel's dims stand for in a decoder layer (linear: two projections).
-USES = {"qkv": ("qkv",), "ffn": ("gate_up",), "linear": ("o_proj", "down_proj"),
-        "rmsnorm": ("norm",)}
+from fusetune.models import ModelPreset, launched_dims
 
 
 @dataclass(frozen=True)
@@ -43,20 +39,15 @@ def coverage(model: ModelPreset, gpu: str, dtype: str, weights: str, activations
     """The lookup's answer for every kernel, use and row count of `model` on `gpu` (no warning
     for a missing entry: this is the report of them). `weights` and `activations` as Point's
     (the norm has no weights). `training`: the kernels of fusetune.patch's training path
-    (models.trained_dims) instead of its inference path."""
+    (models.launched_dims) instead of its inference path."""
     from fusetune.kernels import get_spec
     from fusetune.tables import resolve
 
-    if training:
-        uses = trained_dims(model)
-    else:
-        dims_of = patched_dims(model)
-        uses = {k: list(zip(USES[k], dims_of[k], strict=True)) for k in PATCH_KERNELS}
     out = []
-    for kernel in TRAINING_KERNELS if training else PATCH_KERNELS:
+    for kernel, uses in launched_dims(model, training).items():
         spec = get_spec(kernel)
         w, a = (weights, activations) if spec.weight_formats else ("", "")
-        for use, dims in uses[kernel]:
+        for use, dims in uses:
             for r in rows:
                 res = resolve(kernel, dims, dtype, rows=r, weights=w, activations=a, gpu=gpu,
                               warn=False)

@@ -1,7 +1,7 @@
 """Models: the dimensions that decide each kernel's shapes, by preset name (`--model
 llama-3-8b`) or read from a Hugging Face config.json (`--model path/to/model`), and the points a
-patched model launches (`patched_dims`, `trained_dims`: what `fusetune search --model M --kernel
-all` and `--kernel training` tune)."""
+patched model launches (`launched_dims`: what `fusetune search --model M --kernel all` and
+`--kernel training` tune and `fusetune coverage` reports)."""
 
 from __future__ import annotations
 
@@ -160,6 +160,23 @@ def trained_dims(model: ModelPreset) -> dict[str, list[tuple[str, dict[str, int]
     glu = [("gate", {"hidden": model.hidden})]
     return {"rmsnorm": norm, "rmsnorm_bwd": norm, "rope": rope, "rope_bwd": rope,
             "swiglu": glu, "swiglu_bwd": glu}
+
+
+# What each inference kernel's dims stand for in a decoder layer (linear: two projections).
+PATCH_USES = {"qkv": ("qkv",), "ffn": ("gate_up",), "linear": ("o_proj", "down_proj"),
+              "rmsnorm": ("norm",)}
+
+
+def launched_dims(model: ModelPreset, training: bool = False
+                  ) -> dict[str, list[tuple[str, dict[str, int]]]]:
+    """(use, dims) of each kernel fusetune.patch launches in `model`, kernel by kernel in the
+    order of PATCH_KERNELS (its inference path: patched_dims, each dims named by PATCH_USES)
+    or, with `training`, of TRAINING_KERNELS (its training path: trained_dims). What `search
+    --kernel all|training` tunes and `coverage [--training]` reports."""
+    if training:
+        return trained_dims(model)
+    dims = patched_dims(model)
+    return {k: list(zip(PATCH_USES[k], dims[k], strict=True)) for k in PATCH_KERNELS}
 
 
 def model_rows(decode_batches: Sequence[int], prefill_tokens: Sequence[int]

@@ -241,6 +241,7 @@ def _launch_2d(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, dx: torc
             dw.zero_()  # a sum over no rows
         return
     block_d = config["BLOCK_D"]
+    single = block_d >= d  # the row in one block: the single pass and its flags
     rpp = rows_per_program(m, config)
     programs = cdiv(m, rpp)
     partials = (torch.empty((programs, d), dtype=torch.float32, device=x.device)
@@ -248,10 +249,10 @@ def _launch_2d(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, dx: torc
     direct(_rmsnorm_bwd_kernel)[(programs,)](
         x, weight, dy, x if dx is None else dx, partials, m, d, x.stride(0), dy.stride(0),
         0 if dx is None else dx.stride(0), rpp, eps,
-        BLOCK_D=block_d, ROWS=config["ROWS"], SINGLE_PASS=block_d >= d,
+        BLOCK_D=block_d, ROWS=config["ROWS"], SINGLE_PASS=single,
         STORE_DX=dx is not None, STORE_DW=dw is not None,
-        PREFETCH=bool(config.get("PREFETCH", 0)) and block_d >= d,
-        POLICY="evict_first" if config.get("EVICT", 0) and block_d >= d else "",
+        PREFETCH=bool(config.get("PREFETCH", 0)) and single,
+        POLICY="evict_first" if config.get("EVICT", 0) and single else "",
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if dw is not None:
