@@ -155,6 +155,29 @@ def test_qkv_carries_only_between_equal_head_widths(tmp_path: Path, fresh_tables
     assert source(dims(4096, 128, interleaved=1)) == "default"
 
 
+def test_rmsnorm_bwd_lends_no_config_to_other_widths(tmp_path: Path, fresh_tables: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its configs are fitted to the width and the bytes moved: an entry at 2048 columns serves
+    # its own width within its rows' range, and neither another width nor rows below its range.
+    monkeypatch.setattr(runtime, "_shipped", runtime.Tables())  # this table's entries only
+    bwd = get_spec("rmsnorm_bwd")
+    assert bwd.carry_same == ("dim",)
+    cfg = {"BLOCK_D": 2048, "ROWS": 2, "PROGRAMS": 256, "num_warps": 8, "num_stages": 3,
+           "PREFETCH": 1, "EVICT": 1}
+    entry = {"dims": {"dim": 2048}, "dtype": "bfloat16", "batch": 8192, "seq": 1,
+             "config": cfg}
+    fusetune.load_tables(table(tmp_path, [entry], "rmsnorm_bwd"))
+
+    def source(dim: int, rows: int) -> str:
+        return fusetune.resolve("rmsnorm_bwd", {"dim": dim}, "bfloat16", rows=rows, gpu="h100",
+                                warn=False).source
+
+    assert source(2048, 8192) == "exact"
+    assert source(1024, 8192) == "default"
+    assert source(3072, 8192) == "default"
+    assert source(2048, 4096) == "default"  # below the tuned range: no other width lends
+
+
 def test_a_marginal_entry_answers_with_the_default(tmp_path: Path, fresh_tables: None,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # An entry whose winner did not beat the default beyond the timings' spread: the point is

@@ -181,7 +181,8 @@ class KernelSpec:
       from their one-row entries, and only from those that share `one_row_same` (the matmuls'
       K width: the one-row loop's BLOCK_K, SPLIT_K and UNROLL_K split that width).
     - `carry_same`: dims a tuned entry must share with a point to lend it its config (qkv's
-      head_dim and pairing: its tiles map onto the heads' rotation pairs).
+      head_dim and pairing: its tiles map onto the heads' rotation pairs; rmsnorm_bwd's only
+      dim, so that it lends to no other dims).
     """
 
     name: str

@@ -6,15 +6,18 @@ With xhat = x · rstd and g = dy · weight (per row):
     dweight = Σ_rows dy · xhat
 rstd is recomputed from x (one extra sum per row) rather than stored by the forward.
 
-Each program owns a contiguous chunk of rows: it writes their dx and adds their share of
-dweight into one float32 partial row of a [programs, D] buffer; a second, small kernel adds
-the partial rows up (in float32, in a fixed order) and casts once into weight's dtype. x and dy
-are read once per row (twice when the row is walked in blocks: the second read mostly from L2).
+The rows go in steps of ROWS, dealt out round-robin: program p takes steps p, p + P, p + 2P,
+... of the P programs, so that at any moment the programs read neighbouring rows, one stretch
+of memory, rather than P stretches far apart (which the memory serves more slowly). Each
+program writes its rows' dx and adds their share of dweight into one float32 partial row of a
+[P, D] buffer; a second, small kernel adds the partial rows up (in float32, in a fixed order)
+and casts once into weight's dtype. x and dy are read once per row (twice when the row is
+walked in blocks: the second read mostly from L2).
 
 Tunables (all data, see search_spaces/rmsnorm_bwd.yaml): BLOCK_D (columns a program holds at
 once; smaller than D, it walks each row twice), ROWS (rows per step of a program's loop),
-PROGRAMS (at most this many programs: the rows are shared out in chunks, and the partial-sum
-buffer has that many rows), num_warps, num_stages (software pipelining of the loops' loads),
+PROGRAMS (at most this many programs, fewer where there are fewer steps; the partial-sum
+buffer has a row per program), num_warps, num_stages (software pipelining of the loops' loads),
 PREFETCH (single pass: each step loads the next step's rows before its own math, so that a
 program keeps reads in flight while it computes and stores), EVICT (single pass: x and dy are
 loaded as evict-first in the L2, since each byte is read once; whether that pays depends on
@@ -55,10 +58,14 @@ from fusetune.models import ModelPreset
 # The reduction of the partial rows: columns per program and partial rows per step. It reads
 # programs × D float32 (a small part of what the main kernel moves while programs ≪ rows), so
 # its blocks are fixed and the search spends its trials on the main kernel. The read is short
-# and bound by latency: narrow column blocks give more programs (one per SM at D = 4096), and
-# 64 partial rows a step cover the usual 128-256 programs in two to four steps.
-SUM_BLOCK_D = 32
-SUM_BLOCK_P = 64
+# and bound by latency, from the L2 where the main kernel just wrote it: 256 partial rows a
+# step cover the usual 128-256 programs in one round of loads, and 16-column blocks give one
+# or two programs per SM at D = 2048-4096.
+SUM_BLOCK_D = 16
+SUM_BLOCK_P = 256
+# 32-bit registers one block can hold on every CUDA GPU (compute capability 3.0 on): Triton
+# caps a kernel's registers per thread at this over its threads and spills the rest.
+REGS_PER_BLOCK = 65536
 
 
 @triton.jit
@@ -89,7 +96,6 @@ def _rmsnorm_bwd_kernel(
     stride_xm,
     stride_dym,
     stride_dxm,
-    rows_per_program,  # a multiple of ROWS
     eps,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
@@ -99,12 +105,13 @@ def _rmsnorm_bwd_kernel(
     PREFETCH: tl.constexpr,  # single pass: load the next step's rows before this step's math
     POLICY: tl.constexpr,  # single pass: x's and dy's eviction policy ("evict_first" with EVICT)
 ):
-    # Program `pid` owns rows [row_begin, row_end) and walks them ROWS at a time. The chunk
-    # is a multiple of ROWS, so a step never reaches into the next program's rows; only the
-    # last chunk is cut short by M.
+    # Program `pid` takes the steps of ROWS rows that start at rows pid · ROWS, then `step`
+    # rows further each time (every program's step in between); only the last step can pass
+    # M, and its rows past M are masked.
     pid = tl.program_id(0)
-    row_begin = pid * rows_per_program
-    row_end = tl.minimum(row_begin + rows_per_program, M)
+    row_begin = pid * ROWS
+    step = tl.num_programs(0) * ROWS
+    row_end = M
     # This program's partial row of dweight (int64: programs * D could pass 2**31 one day).
     dwp_row = DWP + pid.to(tl.int64) * D
 
@@ -119,7 +126,7 @@ def _rmsnorm_bwd_kernel(
             # The first step's rows, loaded ahead (masked past row_end like every step's).
             x_next, dy_next = _load_rows(X, DY, row_begin + tl.arange(0, ROWS), row_end, cols,
                                          col_ok, stride_xm, stride_dym, POLICY)
-        for r0 in range(row_begin, row_end, ROWS):
+        for r0 in range(row_begin, row_end, step):
             rows = r0 + tl.arange(0, ROWS)
             row_ok = rows < row_end
             # The dx store's mask and int64 row offsets (as _load_rows makes them).
@@ -130,7 +137,7 @@ def _rmsnorm_bwd_kernel(
                 # now, so that their reads are in flight while this step computes and stores.
                 # Past row_end the mask is all false: no memory is read.
                 x, dy = x_next, dy_next
-                x_next, dy_next = _load_rows(X, DY, rows + ROWS, row_end, cols, col_ok,
+                x_next, dy_next = _load_rows(X, DY, rows + step, row_end, cols, col_ok,
                                              stride_xm, stride_dym, POLICY)
             else:
                 x, dy = _load_rows(X, DY, rows, row_end, cols, col_ok, stride_xm, stride_dym,
@@ -158,7 +165,7 @@ def _rmsnorm_bwd_kernel(
             for off in range(0, D, BLOCK_D):
                 cols = off + tl.arange(0, BLOCK_D)
                 tl.store(dwp_row + cols, tl.zeros([BLOCK_D], dtype=tl.float32), mask=cols < D)
-        for r0 in range(row_begin, row_end, ROWS):
+        for r0 in range(row_begin, row_end, step):
             rows = r0 + tl.arange(0, ROWS)
             row_ok = rows < row_end
             rows64 = rows[:, None].to(tl.int64)
@@ -224,11 +231,10 @@ def _dw_sum_kernel(
     tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_ok)
 
 
-def rows_per_program(m: int, config: Mapping[str, int]) -> int:
-    """Rows each program owns at m rows: an equal share of at most PROGRAMS programs, rounded
-    up to whole steps of ROWS rows."""
-    rows = config["ROWS"]
-    return rows * cdiv(cdiv(m, config["PROGRAMS"]), rows)
+def programs(m: int, config: Mapping[str, int]) -> int:
+    """Programs launched at m rows: PROGRAMS, or one per step of ROWS rows where there are
+    fewer steps."""
+    return min(config["PROGRAMS"], cdiv(m, config["ROWS"]))
 
 
 def _launch_2d(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor | None,
@@ -242,13 +248,12 @@ def _launch_2d(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, dx: torc
         return
     block_d = config["BLOCK_D"]
     single = block_d >= d  # the row in one block: the single pass and its flags
-    rpp = rows_per_program(m, config)
-    programs = cdiv(m, rpp)
-    partials = (torch.empty((programs, d), dtype=torch.float32, device=x.device)
+    grid = programs(m, config)
+    partials = (torch.empty((grid, d), dtype=torch.float32, device=x.device)
                 if dw is not None else x)  # not read or written without STORE_DW
-    direct(_rmsnorm_bwd_kernel)[(programs,)](
+    direct(_rmsnorm_bwd_kernel)[(grid,)](
         x, weight, dy, x if dx is None else dx, partials, m, d, x.stride(0), dy.stride(0),
-        0 if dx is None else dx.stride(0), rpp, eps,
+        0 if dx is None else dx.stride(0), eps,
         BLOCK_D=block_d, ROWS=config["ROWS"], SINGLE_PASS=single,
         STORE_DX=dx is not None, STORE_DW=dw is not None,
         PREFETCH=bool(config.get("PREFETCH", 0)) and single,
@@ -257,7 +262,7 @@ def _launch_2d(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, dx: torc
     )
     if dw is not None:
         direct(_dw_sum_kernel)[(cdiv(d, SUM_BLOCK_D),)](
-            partials, dw, programs, d, BLOCK_P=SUM_BLOCK_P, BLOCK_D=SUM_BLOCK_D, num_warps=4)
+            partials, dw, grid, d, BLOCK_P=SUM_BLOCK_P, BLOCK_D=SUM_BLOCK_D, num_warps=4)
 
 
 def rmsnorm_bwd(
@@ -348,18 +353,20 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
-    # One row a step, the whole row in registers up to 8K columns (x and dy both live, so half
-    # the forward's limit), more warps for wider rows; about two programs per SM, so that
-    # every SM is busy and the partial rows stay few. Where the row fits, each step loads the
-    # next one ahead: with two programs an SM, a program's math and stores otherwise leave
-    # the memory idle (the prefetch was as fast or faster at every size measured, 2K to 8K
-    # columns; BENCHMARKS.md, "Training").
+    # One row a step, the whole row in registers up to 16K columns, more warps for wider rows;
+    # about two programs per SM, so that every SM is busy and the partial rows stay few. Where
+    # the row fits, each step loads the next one ahead: with two programs an SM, a program's
+    # math and stores otherwise leave the memory idle (the prefetch was as fast or faster at
+    # every size measured, 2K to 8K columns; BENCHMARKS.md, "Training"). A 16K-wide row takes
+    # an SM's whole register file (one program per SM, no room for the next row's tiles);
+    # wider rows go in two passes of 8K blocks.
     d = point.dim["dim"]
-    block_d = min(next_pow2(d), 8192)
+    block_d = next_pow2(d) if next_pow2(d) <= 16384 else 8192
     num_warps = 4 if block_d < 2048 else 8 if block_d < 8192 else 16
-    programs = 1 << ((2 * gpu.sms).bit_length() - 1)  # the power of two <= 2 · SMs
+    per_sm = 1 if block_d >= 16384 else 2
+    programs = 1 << ((per_sm * gpu.sms).bit_length() - 1)  # a power of two <= per_sm · SMs
     return {"BLOCK_D": block_d, "ROWS": 1, "PROGRAMS": programs, "num_warps": num_warps,
-            "num_stages": 1, "PREFETCH": int(block_d >= d), "EVICT": 0}
+            "num_stages": 1, "PREFETCH": int(d <= block_d < 16384), "EVICT": 0}
 
 
 def _canonical(config: Config, point: Point) -> Config:
@@ -388,14 +395,18 @@ def _resources(config: Config, point: Point) -> Resources:
     per_thread = -(-(rows * block_d) // threads)
     per_thread_1d = -(-block_d // threads)
     # float32 tiles: x and dy and, in one pass, one temporary at a time (xhat and g take x's
-    # and dy's places), in two passes the two sums' accumulators beside them; the weight and
-    # the dweight sums as vectors; addresses and bookkeeping. An estimate that is too high
-    # prunes configs that run (a register-bound launch that does not fit fails at launch and is
-    # recorded): one pass with 16 warps at 8192 columns fits, and won.
+    # and dy's places), in two passes the two sums' accumulators beside them; addresses and
+    # bookkeeping. Then the weight and the dweight sums as vectors, which are the same for
+    # every step: where the registers run out, the compiler keeps them in local memory, read
+    # once a step from the L1, while the tiles must stay in registers. So the vectors count
+    # only up to the registers the tiles leave (a 16K-wide row with 16 warps spills about 50
+    # registers and was the fastest config at 12-16K columns; with 32 warps, where the tiles
+    # alone spill, it was slower). An estimate that is too high prunes configs that run.
     single = block_d >= next_pow2(point.dim["dim"])
-    regs = (3 if single else 4) * per_thread + 2 * per_thread_1d + 32
+    tiles = (3 if single else 4) * per_thread + 32
     if config.get("PREFETCH") and single:
-        regs += per_thread  # the next step's x and dy, in their own dtype until used
+        tiles += per_thread  # the next step's x and dy, in their own dtype until used
+    regs = min(tiles + 2 * per_thread_1d, max(tiles, REGS_PER_BLOCK // threads))
     # Cross-warp scratch of the two per-row sums, of the column sums over ROWS rows, and the
     # pipelined x and dy tiles.
     smem = 2 * rows * warps * 4
@@ -435,5 +446,10 @@ SPEC = KernelSpec(
     cost=_cost,
     canonical=_canonical,
     dims_from_model=_dims_from_model,
-    source_objects=(_load_rows, _rmsnorm_bwd_kernel, _dw_sum_kernel, rows_per_program, _launch_2d),
+    # A config lends itself to no other width: its rows a step, warps and eviction are fitted
+    # to the row's width and the bytes moved, and carried to other widths (or to the row
+    # counts outside a width's tuned range, which borrow from other widths) they ran slower
+    # than the default heuristic as often as faster (BENCHMARKS.md, "Training").
+    carry_same=("dim",),
+    source_objects=(_load_rows, _rmsnorm_bwd_kernel, _dw_sum_kernel, programs, _launch_2d),
 )

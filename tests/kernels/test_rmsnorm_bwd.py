@@ -66,8 +66,9 @@ CONFIGS = {
                                "num_stages": 1},
     "single-a-program-a-row": {"BLOCK_D": 512, "ROWS": 1, "PROGRAMS": 64, "num_warps": 1,
                                "num_stages": 2},
-    # Prefetch: 37 rows in steps of 4 over 4 programs (chunks of 12, 12, 12 and 1 rows: the
-    # last step of each chunk loads past its end, masked), and one row a step in one program.
+    # Prefetch: 37 rows in 10 steps of 4 over 4 programs (programs 0 and 1 take three steps,
+    # 2 and 3 two; the last step, rows 36-39, is cut by M; every program's prefetch after its
+    # last step reads past M, masked), and one row a step in one program.
     "single-prefetch-rows4": {"BLOCK_D": 512, "ROWS": 4, "PROGRAMS": 4, "num_warps": 2,
                               "num_stages": 1, "PREFETCH": 1},
     "single-prefetch-one-program": {"BLOCK_D": 512, "ROWS": 1, "PROGRAMS": 1, "num_warps": 4,
@@ -130,11 +131,27 @@ def test_configs_agree(name: str, single_config_result: tuple[torch.Tensor, torc
     assert rel_err(dx, dx0) <= 1e-6 and rel_err(dw, dw0) <= 1e-6
 
 
-def test_rows_per_program_shares_out_in_whole_steps() -> None:
-    cfg = {"ROWS": 4, "PROGRAMS": 8}
-    assert bwd_mod.rows_per_program(37, cfg) == 8  # ceil(37/8) = 5 rows, rounded up to 8
-    assert bwd_mod.rows_per_program(37, {"ROWS": 1, "PROGRAMS": 64}) == 1
-    assert bwd_mod.rows_per_program(4096, {"ROWS": 2, "PROGRAMS": 256}) == 16
+def test_programs_are_at_most_one_per_step() -> None:
+    assert bwd_mod.programs(37, {"ROWS": 4, "PROGRAMS": 8}) == 8  # 10 steps of 4 rows
+    assert bwd_mod.programs(37, {"ROWS": 4, "PROGRAMS": 16}) == 10
+    assert bwd_mod.programs(37, {"ROWS": 1, "PROGRAMS": 64}) == 37
+    assert bwd_mod.programs(4096, {"ROWS": 2, "PROGRAMS": 256}) == 256
+
+
+def test_every_row_is_written_once() -> None:
+    # Steps dealt out round-robin: with 19 steps of 2 rows over 8 programs, program 0 takes
+    # steps 0, 8 and 16, program 2 steps 2, 10 and 18 (the last cut by M), programs 3-7 two
+    # each. dx starts as NaN, so a row that no program wrote stays NaN; dweight is wrong if
+    # any row is added twice or missed.
+    x, w, dy = make((37, 300), seed=3)
+    dx = torch.full_like(x, float("nan"))
+    dw = torch.full_like(w, float("nan"))
+    cfg = SPEC.validate_config({"BLOCK_D": 512, "ROWS": 2, "PROGRAMS": 8, "num_warps": 2,
+                                "num_stages": 1, "PREFETCH": 1})
+    bwd_mod._launch_2d(x, w, dy, dx, dw, EPS, cfg)
+    ref_dx, ref_dw = reference(x, w, dy)
+    assert not dx.isnan().any()
+    assert rel_err(dx, ref_dx) <= 1e-5 and rel_err(dw, ref_dw) <= 1e-5
 
 
 @pytest.mark.parametrize("config", [CFG_SINGLE, CFG_LOOP], ids=["single", "loop"])
@@ -406,7 +423,7 @@ def test_canonical_configs_launch_the_same_grid() -> None:
     p = _point(300, batch=37)
     for cfg in CONFIGS.values():
         c = SPEC.canonical(cfg, p)
-        assert bwd_mod.rows_per_program(37, c) == bwd_mod.rows_per_program(37, cfg)
+        assert bwd_mod.programs(37, c) == bwd_mod.programs(37, cfg)
         assert min(c["BLOCK_D"], 512) == min(cfg["BLOCK_D"], 512)
 
 
@@ -419,7 +436,17 @@ def test_resources_grow_with_the_tile_and_stages() -> None:
     assert regs == sorted(regs) and len(set(regs)) == 3
     # A whole 16K row of x and dy per thread of four warps cannot stay in registers.
     big = SPEC.resources({**base, "BLOCK_D": 16384, "ROWS": 1}, _point(16384))
-    assert check_fits(big, gpus.resolve("h100")).startswith("registers")
+    h100 = gpus.resolve("h100")
+    assert check_fits(big, h100).startswith("registers")
+    # With 16 warps the tiles fit and the weight and dweight vectors may spill (to the L1):
+    # it runs; not with the next row's tiles beside them, nor in two passes (four tiles).
+    wide = {**base, "BLOCK_D": 16384, "ROWS": 1, "num_warps": 16}
+    assert check_fits(SPEC.resources(wide, _point(16384)), h100) is None
+    assert check_fits(SPEC.resources({**wide, "PREFETCH": 1}, _point(16384)), h100) is not None
+    assert check_fits(SPEC.resources(wide, _point(20000)), h100) is not None
+    # Where everything fits, the vectors count in full.
+    small = SPEC.resources({**base, "BLOCK_D": 2048, "ROWS": 1, "num_warps": 8}, _point(2048))
+    assert small.regs_per_thread == 3 * 8 + 32 + 2 * 8
 
 
 @pytest.mark.parametrize(("dtype", "elt"), [("float16", 2), ("bfloat16", 2), ("float32", 4)])
@@ -430,16 +457,18 @@ def test_cost_bytes_formula(dtype: str, elt: int) -> None:
     assert c.flops == 11 * m * d
 
 
-@pytest.mark.parametrize("d", [1, 300, 4096, 20000])
+@pytest.mark.parametrize("d", [1, 300, 4096, 14336, 20000])
 @pytest.mark.parametrize("gpu", ["interpreter", "3090", "h100"])
 def test_default_config_is_valid_and_fits(d: int, gpu: str) -> None:
     p = _point(d, batch=4096)
     g = gpus.resolve(gpu)
     config = SPEC.default_config(p, g)
     assert SPEC.validate_config(config) == config
-    assert config["BLOCK_D"] >= min(next_pow2(d), 8192)
+    # one pass up to 16K columns, two passes in 8K blocks past that
+    assert config["BLOCK_D"] == (next_pow2(d) if d <= 16384 else 8192)
     assert config["PROGRAMS"] <= 2 * g.sms
-    # the next row is loaded ahead wherever a row fits in one block, never in two passes
+    # the next row is loaded ahead wherever a row fits in one block of up to 8K columns (a
+    # 16K row leaves no registers for it), never in two passes
     assert config["PREFETCH"] == int(next_pow2(d) <= 8192)
     assert check_fits(SPEC.resources(SPEC.canonical(config, p), p), g) is None
 
