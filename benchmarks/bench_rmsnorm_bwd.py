@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_saved_tensors()
     compiled = torch.compile(lambda a, b: eager_rmsnorm(a, b, EPS))
     head = heading(gpu, "dx and dweight; (TB/s) beside each time, counting x and dy read and "
-                        "dx written; eager and compile as plain calls", graphs=not args.no_graph)
+                        "dx written", graphs=not args.no_graph, plain=PLAIN_BACKWARD)
     cols = ["dtype", "M x D", "MB moved", "floor µs", "tuned", "default", "eager", "compile",
             "liger", "copy", "tuned/copy BW", "tuned BLOCK_D/ROWS/PROGRAMS/warps/stages"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
              for shape in shapes]
     medians, host = run(args, cases, plain=PLAIN | AUTOGRAD)
     head = heading(gpu, "RoPE backward (dx from dy); (TB/s) beside each time; eager, compile "
-                   "and liger: autograd backwards, plain calls", graphs=not args.no_graph)
+                   "and liger: autograd backwards", graphs=not args.no_graph,
+                   plain=PLAIN | AUTOGRAD)
     lines, raw = table(head, cases, medians, "liger (dq+dk)")
     report(lines, raw, host, args.markdown, args.json)
     return 0

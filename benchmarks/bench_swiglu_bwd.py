@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
              for dt in args.dtype.split(",") for m in (int(v) for v in args.rows.split(","))]
     medians, host = run(args, cases, plain=PLAIN | AUTOGRAD)
     head = heading(gpu, "SwiGLU backward (da, db from a, b, dy); (TB/s) beside each time; "
-                   "eager, compile and liger: autograd backwards, plain calls",
-                   graphs=not args.no_graph)
+                   "eager, compile and liger: autograd backwards",
+                   graphs=not args.no_graph, plain=PLAIN | AUTOGRAD)
     lines, raw = table(head, cases, medians, SPEC.config_keys)
     report(lines, raw, host, args.markdown, args.json)
     return 0

@@ -68,11 +68,14 @@ def start(args: argparse.Namespace) -> Any:
     return gpu
 
 
-def heading(gpu: Any, what: str, graphs: bool = True) -> str:
+def heading(gpu: Any, what: str, graphs: bool = True, plain: Collection[str] = PLAIN) -> str:
+    """The line above a benchmark's table; `plain`: the implementations timed as plain calls
+    (as passed to `run`)."""
     import triton
 
-    how = ("CUDA-graph replays (a copy: plain calls)" if graphs else
-           "plain calls (--no-graph: Python-side launch cost can add to small sizes)")
+    how = ("plain calls (--no-graph: Python-side launch cost can add to small sizes)"
+           if not graphs else "CUDA-graph replays" if not plain else
+           f"CUDA-graph replays ({', '.join(sorted(plain))}: plain calls)")
     return (f"GPU {torch.cuda.get_device_name()} ({gpu.name}), torch {torch.__version__}, "
             f"Triton {triton.__version__}, {what}; GPU µs: medians of do_bench (L2 flushed) over "
             f"{how}, median of interleaved rounds")

@@ -222,6 +222,34 @@ def test_a_free_device_joins_a_point_without_running_a_config_twice(db_url: str)
     assert not study.get_trials(states=(TrialState.RUNNING,))
 
 
+def test_a_trial_failed_as_stale_meanwhile_keeps_the_stored_result(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A device's trial finds its config's result stored by another device; while it notes
+    # that, a third device starting on the point fails the trial as stale (it looked
+    # unclaimed). The first device goes on: the stored result stands, nothing is raised.
+    log: list[tuple[str, str, str]] = []
+    (ctx,) = contexts(db_url, [FakeWorker("dev:0", log)])
+    point = POINTS[0]
+    tuner = PointTuner(ctx, point, SearchOptions(trials=4, rounds=1))
+    config = make_plan(SPACE, SPEC, point, gpus.INTERPRETER).feasible[0]
+    tuner.evaluate(config)
+    study = optuna.create_study(storage=ctx.storage, study_name=tuner.key.study_name,
+                                direction="minimize", load_if_exists=True)
+    trial = study.ask()
+    note = trial.set_user_attr
+
+    def note_then_fail(key: str, value: object) -> None:
+        note(key, value)
+        if key == "repeat_of":
+            study.tell(trial.number, state=TrialState.FAIL)
+
+    monkeypatch.setattr(trial, "set_user_attr", note_then_fail)
+    assert tuner._run_trial(study, trial, config, 4)
+    assert len(log) == 1  # evaluated once, by `evaluate`
+    assert study.trials[trial.number].state == TrialState.FAIL
+    assert config_key(config) in Store(db_url).results(tuner.point_id)
+
+
 def test_contexts_are_checked(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/ft.db"
     log: list[tuple[str, str, str]] = []

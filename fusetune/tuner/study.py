@@ -396,7 +396,9 @@ class PointTuner:
                     self.results[key] = stored
                     trial.set_user_attr("status", stored.status)
                     trial.set_user_attr("repeat_of", key)
-                    study.tell(trial, self._value(key))
+                    # Another search starting on the point may have failed the trial as stale
+                    # in the instant between its ask and this claim: the stored result stands.
+                    study.tell(trial, self._value(key), skip_if_finished=True)
                     return True
                 try:
                     out = self._evaluate(config, trial.number)
