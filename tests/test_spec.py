@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from fusetune import gpus
 from fusetune.kernels._spec import Cost, Resources, check_fits
 
@@ -20,3 +22,17 @@ def test_check_fits_names_the_limit() -> None:
     assert check_fits(ok, rtx).startswith("shared-memory: 150000 B > 101376 B")
     assert check_fits(Resources(0, 300, 128), h100).startswith("registers")
     assert check_fits(Resources(0, 32, 2048), h100).startswith("threads")
+
+
+def test_spillable_registers_count_only_up_to_what_the_block_leaves() -> None:
+    h100 = gpus.resolve("h100")  # 65536 registers a block
+    # 512 threads: 128 registers each. 128 that must stay and 64 that may spill: fits.
+    assert check_fits(Resources(0, 192, 512, spill_regs=64), h100) is None
+    assert check_fits(Resources(0, 192, 512), h100).startswith("registers: ~192×512")
+    # What must stay in registers counts in full.
+    assert check_fits(Resources(0, 192, 512, spill_regs=32), h100).startswith(
+        "registers: ~160×512")
+    # The cap is the GPU's own: half the register file leaves 64 a thread.
+    half = dataclasses.replace(h100, regs_per_block=32768)
+    assert check_fits(Resources(0, 96, 512, spill_regs=32), half) is None
+    assert check_fits(Resources(0, 96, 512, spill_regs=16), half).startswith("registers")

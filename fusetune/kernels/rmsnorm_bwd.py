@@ -63,9 +63,6 @@ from fusetune.models import ModelPreset
 # or two programs per SM at D = 2048-4096.
 SUM_BLOCK_D = 16
 SUM_BLOCK_P = 256
-# 32-bit registers one block can hold on every CUDA GPU (compute capability 3.0 on): Triton
-# caps a kernel's registers per thread at this over its threads and spills the rest.
-REGS_PER_BLOCK = 65536
 
 
 @triton.jit
@@ -398,15 +395,16 @@ def _resources(config: Config, point: Point) -> Resources:
     # and dy's places), in two passes the two sums' accumulators beside them; addresses and
     # bookkeeping. Then the weight and the dweight sums as vectors, which are the same for
     # every step: where the registers run out, the compiler keeps them in local memory, read
-    # once a step from the L1, while the tiles must stay in registers. So the vectors count
-    # only up to the registers the tiles leave (a 16K-wide row with 16 warps spills about 50
-    # registers and was the fastest config at 12-16K columns; with 32 warps, where the tiles
-    # alone spill, it was slower). An estimate that is too high prunes configs that run.
+    # once a step from the L1, while the tiles must stay in registers. So the vectors may spill
+    # (`spill_regs`: they count only up to the registers the tiles leave; a 16K-wide row with
+    # 16 warps spills about 50 registers and was the fastest config at 12-16K columns; with 32
+    # warps, where the tiles alone spill, it was slower). An estimate that is too high prunes
+    # configs that run.
     single = block_d >= next_pow2(point.dim["dim"])
     tiles = (3 if single else 4) * per_thread + 32
     if config.get("PREFETCH") and single:
         tiles += per_thread  # the next step's x and dy, in their own dtype until used
-    regs = min(tiles + 2 * per_thread_1d, max(tiles, REGS_PER_BLOCK // threads))
+    vectors = 2 * per_thread_1d
     # Cross-warp scratch of the two per-row sums, of the column sums over ROWS rows, and the
     # pipelined x and dy tiles.
     smem = 2 * rows * warps * 4
@@ -414,7 +412,8 @@ def _resources(config: Config, point: Point) -> Resources:
         smem += block_d * 4
     if stages > 1:
         smem += (stages - 1) * 2 * rows * block_d * elt
-    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads)
+    return Resources(smem_bytes=smem, regs_per_thread=tiles + vectors, threads=threads,
+                     spill_regs=vectors)
 
 
 def _cost(point: Point) -> Cost:
