@@ -27,6 +27,8 @@ from fusetune.tuner.search import (
 
 # What `coverage` says of a point whose table entry is marginal.
 MARGINAL_NOTE = "marginal: the default config runs"
+# `--kernel` values that tune every kernel a model launches (its inference or training path).
+MODEL_KERNELS = ("all", "training")
 
 # Wide enough for the tables when output goes to a file or a CI log.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
@@ -250,7 +252,7 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
     small = target.backend == "interpreter" and not dry_run
     if points_file is not None:
         groups = _file_groups(points_file, args, target)
-    elif args.kernel in ("all", "training"):
+    elif args.kernel in MODEL_KERNELS:
         groups = _model_groups(args, small, rows_opt)
     else:
         groups = [_resolve_points(args, target, small)]
@@ -282,7 +284,7 @@ def _check_points_option(args: PointArgs, rows_opt: list[int] | None) -> None:
                     ("weights", "--weights"), ("activations", "--activations"),
                     ("max_batch", "--max-batch"), ("prefill", "--prefill")))
     given += ["--rows"] if rows_opt is not None else []
-    if args.space_path is not None and args.kernel in ("all", "training"):
+    if args.space_path is not None and args.kernel in MODEL_KERNELS:
         given.append(f"--space (with --kernel {args.kernel}: give a kernel's name)")
     if given:
         raise click.UsageError(f"--points names the points itself (kernel, dims, rows, dtype, "
@@ -316,7 +318,7 @@ def _file_groups(path: str, args: PointArgs, target: Target) -> list[_Group]:
 def _check_rows_option(args: PointArgs) -> None:
     """`search --rows`: only with --kernel all or training, and instead of the other ways to
     give rows (UsageError naming the options given with it)."""
-    if args.kernel not in ("all", "training"):
+    if args.kernel not in MODEL_KERNELS:
         raise click.UsageError(f"--rows applies to --kernel all and training; for --kernel "
                                f"{args.kernel} give the rows as --batch R1,R2,... --seq 1")
     given = _given((("max_batch", "--max-batch"), ("prefill", "--prefill"),
