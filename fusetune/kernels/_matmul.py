@@ -173,11 +173,12 @@ def row_norm_stats(x_row, K, eps, RMS: tl.constexpr, BLOCK_K: tl.constexpr):
 def two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr, PASSES: tl.constexpr, IEEE: tl.constexpr,
-                 W_FP8: tl.constexpr, UNROLL_K: tl.constexpr, THREAD_SUM: tl.constexpr):
+                 W_FP8: tl.constexpr, UNROLL_K: tl.constexpr, THREAD_SUM: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     """x·Waᵀ and x·Wbᵀ for the rows rm of X over this program's K-slice: the tensor-core loop
     (mma_two_products), or with BLOCK_M = 1 the one-row loop (gemv_two_products, which alone
     reads UNROLL_K and THREAD_SUM). Returns [BLOCK_M, BLOCK_N], [BLOCK_M, BLOCK_N] and the
-    rows' sums of x² [BLOCK_M]."""
+    rows' sums of x² [BLOCK_M]. INTERPRETED: see dot."""
     if BLOCK_M == 1:
         acc_a, acc_b, sumsq = gemv_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok,
                                                 K, stride_xm, BLOCK_N, BLOCK_K, SPLIT_K, PASSES,
@@ -185,7 +186,7 @@ def two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
     else:
         acc_a, acc_b, sumsq = mma_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok,
                                                K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
-                                               PASSES, IEEE, W_FP8)
+                                               PASSES, IEEE, W_FP8, INTERPRETED)
     return acc_a, acc_b, sumsq
 
 
@@ -305,13 +306,13 @@ def gemv_one_product(X, W, w_rows, rm, m_ok, w_ok, K, stride_xm, BLOCK_N: tl.con
 def mma_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_xm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, PASSES: tl.constexpr, IEEE: tl.constexpr,
-                     W_FP8: tl.constexpr):
+                     W_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
     """two_products with the tensor cores: x·Waᵀ and x·Wbᵀ over this program's K-slice for the
     rows rm of X [M, K] (row stride stride_xm). wa_rows / wb_rows [1, BLOCK_N] are the element
     offsets (int64) of the weight rows in WA / WB, read transposed as [BLOCK_K, BLOCK_N] tiles
     (w_ok: which of the rows exist) and converted as W_FP8 says (mma_weight). With PASSES == 1
     x is scaled by the RMSNorm weight G on the way and the rows' sums of x² come back too
-    (zeros otherwise)."""
+    (zeros otherwise). INTERPRETED: see dot."""
     k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = X + rm[:, None].to(tl.int64) * stride_xm + (k_begin + rk)[None, :]
@@ -334,8 +335,8 @@ def mma_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_x
         # With PASSES == 2 the tiles go from memory to the tensor cores untouched (but for the
         # upcast of FP8 weights), which lets the compiler keep the asynchronous load/MMA
         # pipeline that large M needs.
-        acc_a = dot(x, wa, acc_a, IEEE)
-        acc_b = dot(x, wb, acc_b, IEEE)
+        acc_a = dot(x, wa, acc_a, IEEE, INTERPRETED)
+        acc_b = dot(x, wb, acc_b, IEEE, INTERPRETED)
         x_ptrs += BLOCK_K
         wa_ptrs += BLOCK_K
         wb_ptrs += BLOCK_K
@@ -345,7 +346,7 @@ def mma_two_products(X, G, WA, wa_rows, WB, wb_rows, rm, m_ok, w_ok, K, stride_x
 @triton.jit
 def tma_two_products(XD, WAD, WBD, m0, na0, nb0, K, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
     """mma_two_products for operands that reach the tensor cores untouched (PASSES == 2,
     weights in x's dtype, or FP8 beside FP8 activations), read through TMA descriptors: XD
     over X [M, K] with [BLOCK_M, BLOCK_K] boxes, WAD and WBD over weight rows [N, K] with
@@ -353,26 +354,27 @@ def tma_two_products(XD, WAD, WBD, m0, na0, nb0, K, BLOCK_M: tl.constexpr,
     address arithmetic or masks in the loop; boxes past an edge of a matrix, including a
     partial last K-step, arrive zero-filled), for the rows from m0, the rows of WAD from na0
     and those of WBD from nb0, over this program's K-slice. The weight tiles arrive as
-    [BLOCK_N, BLOCK_K] and are multiplied transposed."""
+    [BLOCK_N, BLOCK_K] and are multiplied transposed. INTERPRETED: see dot."""
     k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
     acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         x = XD.load([m0, k0])
-        acc_a = dot(x, WAD.load([na0, k0]).T, acc_a, IEEE)
-        acc_b = dot(x, WBD.load([nb0, k0]).T, acc_b, IEEE)
+        acc_a = dot(x, WAD.load([na0, k0]).T, acc_a, IEEE, INTERPRETED)
+        acc_b = dot(x, WBD.load([nb0, k0]).T, acc_b, IEEE, INTERPRETED)
     return acc_a, acc_b
 
 
 @triton.jit
 def tma_one_product(XD, WD, m0, n0, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
     """tma_two_products for one weight (WD over W [N, K]): x·Wᵀ over this program's
-    K-slice."""
+    K-slice. INTERPRETED: see dot."""
     k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        acc = dot(XD.load([m0, k0]), WD.load([n0, k0]).T, acc, IEEE)
+        acc = dot(XD.load([m0, k0]), WD.load([n0, k0]).T, acc, IEEE, INTERPRETED)
     return acc
 
 
@@ -408,9 +410,15 @@ def store_two_partials(WS, WSQ, acc_a, acc_b, sumsq, rm, cols, m_ok, mc_ok, M, n
 
 
 @triton.jit
-def dot(a, b, acc, IEEE: tl.constexpr):
-    """acc + a·b; with IEEE, exact float32 products (float32 inputs) instead of tf32."""
-    if IEEE:  # noqa: SIM108  (a Triton constexpr branch: one tl.dot per precision)
+def dot(a, b, acc, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc + a·b; with IEEE, exact float32 products (float32 inputs) instead of tf32.
+    INTERPRETED (the launcher's: Triton's CPU interpreter runs the kernel; False for every
+    compiled kernel, whose code it leaves as it was): bfloat16 tiles are widened to float32
+    and multiplied exactly, the products the tensor cores make of them."""
+    if INTERPRETED and a.dtype == tl.bfloat16:
+        # The interpreter's tl.dot multiplies bfloat16 bit patterns as integers: widen first.
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
         acc = tl.dot(a, b, acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b, acc)

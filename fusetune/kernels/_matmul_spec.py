@@ -34,6 +34,7 @@ from fusetune.kernels._spec import (
     Point,
     Resources,
     cdiv,
+    interpreting,
 )
 
 # The tunables every matmul kernel has (the YAML spaces and tables name exactly these), and
@@ -55,6 +56,11 @@ MATMUL_TOLERANCE = {"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
 # weights bounds it, but serves a few dozen rows well: so a 4096-row entry serves 17 rows and
 # more, and below that, where no entry nearer in rows serves, the default runs.
 MATMUL_ROW_REACH = 256
+# Whether the kernels run on Triton's CPU interpreter: a property of the backend, not a
+# tunable (no search space or table names it). Triton chooses the backend when it decorates
+# the kernels, at import like this module, so it is read once, here; every launch passes it as
+# the INTERPRETED constexpr (_matmul.dot), False for every compiled kernel.
+INTERPRETED = interpreting()
 
 # The KernelSpec fields every matmul kernel has: KernelSpec(name=..., ..., **MATMUL_SPEC_FIELDS).
 MATMUL_SPEC_FIELDS: dict[str, Any] = {
@@ -163,8 +169,9 @@ def launch_args(config: Config, *, act: bool, w_fp8: int, ieee: bool, w_scaled: 
     (all but FINISH, which differs between the launches of a split-K product): the tiles,
     the FP8 activations (ACT_FP8: `act`, the caller's mode; the norm then ran as its own pass,
     PASSES = 2), how the weight tiles are read (W_FP8, fp8.W_*), whether there are channel
-    scales (W_SCALED), exact float32 products (IEEE), the one-row structure's flags and whether
-    TMA descriptors are passed; PASSES only where the kernel takes it (`passes`).
+    scales (W_SCALED), exact float32 products (IEEE), the one-row structure's flags, whether
+    TMA descriptors are passed and whether the kernel runs on the interpreter (INTERPRETED);
+    PASSES only where the kernel takes it (`passes`).
 
     The same dict (do not modify it) for the same config object and flags: at decode a
     launcher's every call asks for it."""
@@ -178,7 +185,7 @@ def launch_args(config: Config, *, act: bool, w_fp8: int, ieee: bool, w_scaled: 
         "PASSES": 2 if act else config["PASSES"], "SPLIT_K": config["SPLIT_K"], "IEEE": ieee,
         "W_FP8": w_fp8, "ACT_FP8": act, "W_SCALED": w_scaled,
         "UNROLL_K": config.get("UNROLL_K", 0), "SPREAD": gemv_flag(config, "SPREAD"),
-        "TMA": tma, "THREAD_SUM": gemv_flag(config, "THREAD_SUM"),
+        "TMA": tma, "THREAD_SUM": gemv_flag(config, "THREAD_SUM"), "INTERPRETED": INTERPRETED,
         "num_warps": config["num_warps"], "num_stages": config["num_stages"],
     }
     if not passes:

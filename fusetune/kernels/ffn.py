@@ -93,6 +93,7 @@ def _ffn_kernel(
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a slice of K
     FINISH: tl.constexpr,  # the split-K finishing pass: add the partials up, then the epilogue
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
+    INTERPRETED: tl.constexpr,  # Triton's CPU interpreter runs the kernel (_matmul.dot)
     W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.mma_weight)
     ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
     W_SCALED: tl.constexpr,  # the weights have per-output-channel scales S1, S3
@@ -114,14 +115,14 @@ def _ffn_kernel(
     elif TMA:
         acc1, acc3 = tma_two_products(X, W1, W3, pid_m * BLOCK_M, pid_n * BLOCK_N,
                                       pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
-                                      IEEE)
+                                      IEEE, INTERPRETED)
         sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)  # not read: PASSES == 2
     else:
         # Weight tiles read transposed as [BLOCK_K, BLOCK_N] (W[n, k]): rows rn of W1 and W3.
         w_off = rn[None, :].to(tl.int64) * stride_wn
         acc1, acc3, sumsq = two_products(X, G, W1, w_off, W3, w_off, rm, m_ok, n_ok, K,
                                          stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PASSES,
-                                         IEEE, W_FP8, UNROLL_K, THREAD_SUM)
+                                         IEEE, W_FP8, UNROLL_K, THREAD_SUM, INTERPRETED)
 
     if SPLIT_K > 1 and not FINISH:
         store_two_partials(WS, WSQ, acc1, acc3, sumsq, rm, rn, m_ok, mn_ok, M, N, pid_n == 0,

@@ -110,6 +110,7 @@ def _linear_kernel(
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a slice of K
     FINISH: tl.constexpr,  # the split-K finishing pass: add the partials up, then the epilogue
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
+    INTERPRETED: tl.constexpr,  # Triton's CPU interpreter runs the kernel (_matmul.dot)
     W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.mma_weight)
     W_SCALED: tl.constexpr,  # W has per-output-channel scales SW
     ACT_FP8: tl.constexpr,  # X holds e4m3 rows with scales SX (FP8 activations)
@@ -141,7 +142,7 @@ def _linear_kernel(
             BLOCK_K, SPLIT_K, 2, W_FP8, UNROLL_K, THREAD_SUM)
     elif TMA:  # the copy engine fetches the tiles; boxes past the edges arrive zero-filled
         acc = tma_one_product(X, W, pid_m * BLOCK_M, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N,
-                              BLOCK_K, SPLIT_K, IEEE)
+                              BLOCK_K, SPLIT_K, IEEE, INTERPRETED)
     else:
         k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
         rk = tl.arange(0, BLOCK_K)
@@ -157,7 +158,7 @@ def _linear_kernel(
             # FP8 weights: upcast exactly to x's type in registers. Otherwise the tiles go from
             # memory to the tensor cores untouched, which lets the compiler keep the
             # asynchronous load/MMA pipeline that many rows want.
-            acc = dot(x, mma_weight(w, x, W_FP8), acc, IEEE)
+            acc = dot(x, mma_weight(w, x, W_FP8), acc, IEEE, INTERPRETED)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
 

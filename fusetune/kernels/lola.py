@@ -95,6 +95,7 @@ def _lola_kernel(
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a slice of K
     FINISH: tl.constexpr,  # the split-K finishing pass: add the partials up, then the epilogue
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
+    INTERPRETED: tl.constexpr,  # Triton's CPU interpreter runs the kernel (_matmul.dot)
     W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.mma_weight)
     ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
     W_SCALED: tl.constexpr,  # W has per-output-channel scales SW
@@ -129,7 +130,7 @@ def _lola_kernel(
             BLOCK_K, SPLIT_K, PASSES, W_FP8, UNROLL_K, THREAD_SUM)
     elif TMA:  # PASSES == 2: the row and column sums are not needed
         acc = tma_one_product(X, W, pid_m * BLOCK_M, pid_n * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                              SPLIT_K, IEEE)
+                              SPLIT_K, IEEE, INTERPRETED)
     else:
         k_begin, k_end = k_slice(K, BLOCK_K, SPLIT_K)
         rk = tl.arange(0, BLOCK_K)
@@ -155,7 +156,7 @@ def _lola_kernel(
                 sum_w += tl.sum(gemv_weight(ws, W_FP8), axis=0)
             # With PASSES == 2 the tiles go from memory to the tensor cores untouched, which
             # lets the compiler keep the asynchronous load/MMA pipeline that large M needs.
-            acc = dot(x, w, acc, IEEE)
+            acc = dot(x, w, acc, IEEE, INTERPRETED)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
 

@@ -114,6 +114,7 @@ def _qkv_kernel(
     SPLIT_K: tl.constexpr,  # programs sharing one output tile, each over a slice of K
     FINISH: tl.constexpr,  # the split-K finishing pass: add the partials up, then the epilogue
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
+    INTERPRETED: tl.constexpr,  # Triton's CPU interpreter runs the kernel (_matmul.dot)
     W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.mma_weight)
     ACT_FP8: tl.constexpr,  # X is FP8 with row scales SX (PASSES == 2 only)
     W_SCALED: tl.constexpr,  # the weights have per-output-channel scales SQ, SK, SV
@@ -189,14 +190,15 @@ def _qkv_kernel(
             DA = VA
             DB = VB
         acc_a, acc_b = tma_two_products(X, DA, DB, m0, ra, rb, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                        SPLIT_K, IEEE)
+                                        SPLIT_K, IEEE, INTERPRETED)
         sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)  # not read: PASSES == 2
     else:
         # Weight rows col_a and col_b, read transposed as [BLOCK_K, BLOCK_N] tiles.
         acc_a, acc_b, sumsq = two_products(X, G, W, col_a[None, :].to(tl.int64) * stride_w,
                                            W, col_b[None, :].to(tl.int64) * stride_w, rm, m_ok,
                                            p_ok, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
-                                           PASSES, IEEE, W_FP8, UNROLL_K, THREAD_SUM)
+                                           PASSES, IEEE, W_FP8, UNROLL_K, THREAD_SUM,
+                                           INTERPRETED)
 
     if SPLIT_K > 1 and not FINISH:
         store_two_partials(WS, WSQ, acc_a, acc_b, sumsq, rm, first + p, m_ok, mp_ok, M,

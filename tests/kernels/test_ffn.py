@@ -6,11 +6,15 @@ import warnings
 
 import pytest
 import torch
+from launched import descriptors_made
 
 import fusetune
-from fusetune import gpus
+from fusetune import gpus, ops
 from fusetune.kernels import ffn as ffn_mod
-from fusetune.kernels._spec import ConfigError, Point, check_fits
+from fusetune.kernels import fp8
+from fusetune.kernels._matmul_spec import launch_args
+from fusetune.kernels._spec import ConfigError, Point, check_fits, interpreting
+from fusetune.tuner.space import load_space
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
@@ -203,6 +207,71 @@ def test_tma_falls_back_to_pointers_where_descriptors_cannot_cover() -> None:
     w1_off.copy_(w1)
     assert w1_off.data_ptr() % 16 != 0
     check(x, g, w1_off, w3, config=TMA_CONFIGS[0])
+
+
+# ---- bfloat16 through the tensor-core loop ---------------------------------------------------
+
+# The structures with tl.dot (BLOCK_M > 1): the norm folded into the K loop, the norm pass with
+# split-K, tiles through TMA descriptors. Triton's interpreter gets tl.dot on bfloat16 tiles
+# wrong unless the kernel widens them first (_matmul.dot, INTERPRETED).
+BF16_STRUCTURES = {
+    "folded": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1,
+               "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+    "pass-split": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 2,
+                   "SPLIT_K": 2, "num_warps": 4, "num_stages": 2},
+    "tma": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 2,
+            "SPLIT_K": 1, "TMA": 1, "num_warps": 4, "num_stages": 2},
+}
+# 19 rows x 40 hidden: partial row and column tiles; K = 104: three K-steps and a partial one,
+# rows of 208 bytes (16-byte boundaries: TMA descriptors can cover them).
+BF16_SHAPE = (19, 104, 40)
+
+
+@pytest.mark.parametrize("structure", list(BF16_STRUCTURES))
+def test_bfloat16_tensor_core_structures(structure: str, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    made = descriptors_made(monkeypatch)
+    check(*make(*BF16_SHAPE, torch.bfloat16), config=BF16_STRUCTURES[structure])
+    assert len(made) == (3 if structure == "tma" else 0)  # x, W1, W3
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("structure", ["folded", "pass-split"])
+def test_bfloat16_with_fp8_weights(structure: str, fmt: str) -> None:
+    # Weight-only FP8: the weight tiles are decoded and rounded to bfloat16 (exact) for tl.dot,
+    # then the same product as with bfloat16 weights, against the dequantized weights.
+    x, g, w1, w3 = make(*BF16_SHAPE, torch.float32)
+    (q1, s1), (q3, s3) = (fusetune.quantize_fp8(w, fmt) for w in (w1, w3))
+    x, g = x.bfloat16(), g.bfloat16()
+    out = fusetune.ffn(x, g, q1, q3, eps=1e-6, w1_scale=s1, w3_scale=s3,
+                       config=BF16_STRUCTURES[structure])
+    ref = reference(x.cpu(), g.cpu(), fp8.dequantize(q1.cpu(), s1.cpu()),
+                    fp8.dequantize(q3.cpu(), s3.cpu()))
+    err = float((out.cpu().double() - ref).norm() / ref.norm())
+    assert out.dtype == torch.bfloat16 and err <= TOL[torch.bfloat16], err
+
+
+def test_bfloat16_through_the_ops() -> None:
+    # fusetune.ops.ffn and the custom op that torch.compile sees call the same launcher, with
+    # the tables' config (the default heuristic here: tensor-core tiles at 19 rows).
+    x, g, w1, w3 = make(*BF16_SHAPE, torch.bfloat16)
+    ref = reference(x.cpu(), g.cpu(), w1.cpu(), w3.cpu())
+    for out in (ops.ffn(x, g, w1, w3, 1e-6),
+                torch.ops.fusetune.ffn(x, g, w1, w3, 1e-6, None, None, False)):
+        err = float((out.cpu().double() - ref).norm() / ref.norm())
+        assert out.dtype == torch.bfloat16 and err <= TOL[torch.bfloat16], err
+
+
+def test_interpreter_flag_is_a_property_of_the_backend() -> None:
+    # Every launch passes INTERPRETED (the interpreter or not); no config, search space or
+    # table holds it.
+    args = launch_args(BF16_STRUCTURES["folded"], act=False, w_fp8=0, ieee=False,
+                       w_scaled=False, tma=False)
+    assert args["INTERPRETED"] is interpreting()
+    assert "INTERPRETED" not in SPEC.config_keys
+    assert "INTERPRETED" not in [p.name for p in load_space(SPEC).params]
+    with pytest.raises(ConfigError, match="INTERPRETED"):
+        SPEC.validate_config({**BF16_STRUCTURES["folded"], "INTERPRETED": 1})
 
 
 def test_leading_shape_strides_and_eps() -> None:

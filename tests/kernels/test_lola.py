@@ -6,9 +6,11 @@ import warnings
 
 import pytest
 import torch
+from launched import descriptors_made
 
 import fusetune
 from fusetune import gpus
+from fusetune.kernels import fp8
 from fusetune.kernels import lola as lola_mod
 from fusetune.kernels._spec import ConfigError, Point, check_fits
 
@@ -119,6 +121,46 @@ def test_configs_and_grouping(config: dict[str, int]) -> None:
     # a program per row: three rows show it all.
     rows = 3 if config["BLOCK_M"] == 1 else 70
     check(*make(rows, 96, 80, torch.float16), config=config)
+
+
+# ---- bfloat16 through the tensor-core loop ---------------------------------------------------
+
+# The structures with tl.dot (BLOCK_M > 1): the LayerNorm folded into the K loop, the norm pass
+# with split-K, tiles through TMA descriptors. Triton's interpreter gets tl.dot on bfloat16
+# tiles wrong unless the kernel widens them first (_matmul.dot, INTERPRETED).
+BF16_STRUCTURES = {
+    "folded": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1,
+               "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+    "pass-split": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 2,
+                   "SPLIT_K": 2, "num_warps": 4, "num_stages": 2},
+    "tma": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 2,
+            "SPLIT_K": 1, "TMA": 1, "num_warps": 4, "num_stages": 2},
+}
+# 19 rows x 40 outputs: partial row and column tiles; K = 104: three K-steps and a partial
+# one, rows of 208 bytes (16-byte boundaries: TMA descriptors can cover them).
+BF16_SHAPE = (19, 104, 40)
+
+
+@pytest.mark.parametrize("structure", list(BF16_STRUCTURES))
+def test_bfloat16_tensor_core_structures(structure: str, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    made = descriptors_made(monkeypatch)
+    check(*make(*BF16_SHAPE, torch.bfloat16), config=BF16_STRUCTURES[structure])
+    assert len(made) == (2 if structure == "tma" else 0)  # x and W
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("structure", ["folded", "pass-split"])
+def test_bfloat16_with_fp8_weights(structure: str, fmt: str) -> None:
+    # Weight-only FP8: the weight tiles are decoded and rounded to bfloat16 (exact) for tl.dot,
+    # then the same product as with bfloat16 weights, against the dequantized weights.
+    x, w, b = make(*BF16_SHAPE, torch.float32)
+    q, s = fusetune.quantize_fp8(w, fmt)
+    x, b = x.bfloat16(), b.bfloat16()
+    out = fusetune.lola(x, q, b, eps=1e-5, weight_scale=s, config=BF16_STRUCTURES[structure])
+    ref = reference(x.cpu(), fp8.dequantize(q.cpu(), s.cpu()), b.cpu())
+    err = float((out.cpu().double() - ref).norm() / ref.norm())
+    assert out.dtype == torch.bfloat16 and err <= TOL[torch.bfloat16], err
 
 
 def test_mean_offset_eps_and_leading_shape() -> None:

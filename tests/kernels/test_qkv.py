@@ -12,7 +12,8 @@ import torch
 from launched import compiled_kernels, descriptors_made
 
 import fusetune
-from fusetune import gpus
+from fusetune import gpus, ops
+from fusetune.kernels import fp8
 from fusetune.kernels import qkv as qkv_mod
 from fusetune.kernels._spec import ConfigError, Point, check_fits
 
@@ -233,6 +234,71 @@ def test_tma_descriptors(interleaved: bool, dtype: torch.dtype, split: int, d: i
     assert len(made) == 7
     n_rows = [t.shape[0] for t in made[1:]]
     assert n_rows == ([96, 96, 32, 32, 32, 32] if interleaved else [192, 192, 64, 64, 64, 64])
+
+
+# ---- bfloat16 through the tensor-core loop ---------------------------------------------------
+
+# The structures with tl.dot (BLOCK_M > 1): the norm folded into the K loop, the norm pass with
+# split-K, tiles through TMA descriptors. Triton's interpreter gets tl.dot on bfloat16 tiles
+# wrong unless the kernel widens them first (_matmul.dot, INTERPRETED).
+BF16_STRUCTURES = {
+    "folded": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1,
+               "SPLIT_K": 1, "num_warps": 4, "num_stages": 2},
+    "pass-split": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 2,
+                   "SPLIT_K": 2, "num_warps": 4, "num_stages": 2},
+    "tma": {**TMA, "GROUP_M": 1},
+}
+# 19 tokens: a partial row tile; K = 104: three K-steps and a partial one, rows of 208 bytes
+# (16-byte boundaries: TMA can read them); 2 query heads and 1 KV head of 32, so that a tile
+# of 16 pairs lies in one head (what the TMA loop needs for half-split pairs).
+BF16_DIMS = (1, 19, 104, 2, 1, 32)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("structure", list(BF16_STRUCTURES))
+def test_bfloat16_tensor_core_structures(structure: str, interleaved: bool,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    made = descriptors_made(monkeypatch)
+    tensors = make(*BF16_DIMS, torch.bfloat16)
+    check(tensors, 32, interleaved=interleaved, bias=make_bias(tensors),
+          config=BF16_STRUCTURES[structure])
+    assert len(made) == (7 if structure == "tma" else 0)  # x, then two per matrix
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("structure", ["folded", "pass-split"])
+def test_bfloat16_with_fp8_weights(structure: str, fmt: str) -> None:
+    # Weight-only FP8: the weight tiles are decoded and rounded to bfloat16 (exact) for tl.dot,
+    # then the same product as with bfloat16 weights, against the dequantized weights.
+    x, g, *ws = make(*BF16_DIMS, torch.float32)
+    quantized = [fusetune.quantize_fp8(w, fmt) for w in ws]
+    x, g = x.bfloat16(), g.bfloat16()
+    ang = angles(positions(1, 19), 32)
+    cos, sin = tables(ang, torch.bfloat16)
+    outs = fusetune.qkv(x, g, *(q for q, _ in quantized), cos, sin, eps=1e-6, head_dim=32,
+                        interleaved=False, wq_scale=quantized[0][1], wk_scale=quantized[1][1],
+                        wv_scale=quantized[2][1], config=BF16_STRUCTURES[structure])
+    refs = reference((x, g, *(fp8.dequantize(q.cpu(), s.cpu()) for q, s in quantized)), 32, ang,
+                     False)
+    for name, out, ref in zip("qkv", outs, refs, strict=True):
+        err = float((out.cpu().double() - ref).norm() / ref.norm())
+        assert out.dtype == torch.bfloat16 and err <= TOL[torch.bfloat16], (name, err)
+
+
+def test_bfloat16_through_the_ops() -> None:
+    # fusetune.ops.qkv (Hugging Face's pairing) and the custom op that torch.compile sees call
+    # the same launcher, with the tables' config (the default heuristic here: tensor-core
+    # tiles at 19 tokens).
+    tensors = make(*BF16_DIMS, torch.bfloat16)
+    ang = angles(positions(1, 19), 32)
+    cos, sin = tables(ang, torch.bfloat16)
+    refs = reference(tensors, 32, ang, False)
+    nones = (None,) * 6  # biases, scales
+    for outs in (ops.qkv(*tensors, cos, sin, 1e-6, 32),
+                 torch.ops.fusetune.qkv(*tensors, cos, sin, 1e-6, 32, *nones, False)):
+        for name, out, ref in zip("qkv", outs, refs, strict=True):
+            err = float((out.cpu().double() - ref.flatten(2)).norm() / ref.norm())
+            assert out.dtype == torch.bfloat16 and err <= TOL[torch.bfloat16], (name, err)
 
 
 def test_no_row_views_without_tma(monkeypatch: pytest.MonkeyPatch) -> None:
