@@ -16,25 +16,28 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["FusetuneWarning", "TableError", "ffn", "linear", "load_tables", "lola", "lookup",
-           "nn", "patch", "qkv", "quantize_fp8", "resolve", "rmsnorm", "rmsnorm_bwd", "rope",
-           "swiglu", "unpatch"]
+__all__ = ["FusetuneWarning", "SelfCheckError", "TableError", "ffn", "linear", "load_tables",
+           "lola", "lookup", "nn", "patch", "qkv", "quantize_fp8", "resolve", "rmsnorm",
+           "rmsnorm_bwd", "rope", "swiglu", "unpatch"]
 
+# The kernels' public functions are fusetune.api's: the launchers when called eagerly, their
+# custom ops under torch.compile.
 _LAZY = {
-    "rmsnorm": ("fusetune.kernels.rmsnorm", "rmsnorm"),
-    "rmsnorm_bwd": ("fusetune.kernels.rmsnorm_bwd", "rmsnorm_bwd"),
-    "ffn": ("fusetune.kernels.ffn", "ffn"),
-    "lola": ("fusetune.kernels.lola", "lola"),
-    "linear": ("fusetune.kernels.linear", "linear"),
-    "qkv": ("fusetune.kernels.qkv", "qkv"),
-    "rope": ("fusetune.kernels.rope", "rope"),
-    "swiglu": ("fusetune.kernels.swiglu", "swiglu"),
+    "rmsnorm": ("fusetune.api", "rmsnorm"),
+    "rmsnorm_bwd": ("fusetune.api", "rmsnorm_bwd"),
+    "ffn": ("fusetune.api", "ffn"),
+    "lola": ("fusetune.api", "lola"),
+    "linear": ("fusetune.api", "linear"),
+    "qkv": ("fusetune.api", "qkv"),
+    "rope": ("fusetune.api", "rope"),
+    "swiglu": ("fusetune.api", "swiglu"),
     "quantize_fp8": ("fusetune.kernels.fp8", "quantize_fp8"),
     "load_tables": ("fusetune.tables", "load_tables"),
     "lookup": ("fusetune.tables", "lookup"),
     "resolve": ("fusetune.tables", "resolve"),
     "TableError": ("fusetune.tables", "TableError"),
     "FusetuneWarning": ("fusetune.tables", "FusetuneWarning"),
+    "SelfCheckError": ("fusetune.integrations.hf_check", "SelfCheckError"),
     "patch": ("fusetune.integrations.hf", "patch"),
     "unpatch": ("fusetune.integrations.hf", "unpatch"),
     "nn": ("fusetune.nn", ""),  # the module itself
@@ -42,15 +45,9 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from fusetune import nn
-    from fusetune.kernels.ffn import ffn
+    from fusetune.api import ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, rope, swiglu
+    from fusetune.integrations.hf_check import SelfCheckError
     from fusetune.kernels.fp8 import quantize_fp8
-    from fusetune.kernels.linear import linear
-    from fusetune.kernels.lola import lola
-    from fusetune.kernels.qkv import qkv
-    from fusetune.kernels.rmsnorm import rmsnorm
-    from fusetune.kernels.rmsnorm_bwd import rmsnorm_bwd
-    from fusetune.kernels.rope import rope
-    from fusetune.kernels.swiglu import swiglu
     from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup, resolve
 
 

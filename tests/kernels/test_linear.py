@@ -10,7 +10,7 @@ import torch
 from launched import compiled_kernels, descriptors_made
 
 import fusetune
-from fusetune import gpus, runtime
+from fusetune import api, gpus, ops, runtime
 from fusetune.kernels import REGISTRY, fp8
 from fusetune.kernels import linear as linear_mod
 from fusetune.kernels._spec import ConfigError, Point, check_fits
@@ -178,6 +178,44 @@ def test_tma_descriptors(split: int, dtype: torch.dtype, monkeypatch: pytest.Mon
         assert made == []
 
 
+# ---- bfloat16 through the tensor-core loop ---------------------------------------------------
+
+# The structures with tl.dot (BLOCK_M > 1): tiles by pointers, split-K, TMA descriptors.
+# Triton's interpreter gets tl.dot on bfloat16 tiles wrong unless the kernel widens them first
+# (_matmul.dot, INTERPRETED). 19 rows x 72 outputs: partial row and column tiles; K = 104:
+# three K-steps and a partial one, rows on 16-byte boundaries (TMA can read them).
+BF16_STRUCTURES = {"tiles": tiles(16, 16, 32), "split2": tiles(16, 16, 32, 2),
+                   "tma": {**tiles(16, 16, 32), "TMA": 1}}
+BF16_ROWS, BF16_K = 19, 104
+
+
+@pytest.mark.parametrize("structure", list(BF16_STRUCTURES))
+def test_bfloat16_tensor_core_structures(structure: str, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    made = descriptors_made(monkeypatch)
+    check(make(BF16_ROWS, BF16_K, N, torch.bfloat16), BF16_STRUCTURES[structure])
+    assert len(made) == (2 if structure == "tma" else 0)  # x and W
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("structure", ["tiles", "split2"])
+def test_bfloat16_with_fp8_weights(structure: str, fmt: str) -> None:
+    # Weight-only FP8: the weight tiles are decoded and rounded to bfloat16 (exact) for tl.dot,
+    # then the same product as with bfloat16 weights, against the dequantized weights.
+    check(make(BF16_ROWS, BF16_K, N, torch.bfloat16, fmt=fmt), BF16_STRUCTURES[structure])
+
+
+def test_bfloat16_through_the_ops() -> None:
+    # fusetune.ops.linear and the custom op that torch.compile sees call the same launcher,
+    # with the tables' config (the default heuristic here: tensor-core tiles at 19 rows).
+    args = make(BF16_ROWS, BF16_K, N, torch.bfloat16)
+    x, w, b, r = args["x"], args["weight"], args["bias"], args["residual"]
+    ref = reference(**args)
+    for out in (ops.linear(x, w, b, r), torch.ops.fusetune.linear(x, w, b, r, None, False)):
+        err = float((out.cpu().double() - ref).norm() / ref.norm())
+        assert out.dtype == torch.bfloat16 and err <= TOL[torch.bfloat16], err
+
+
 # ---- FP8 weights ----------------------------------------------------------------------------
 
 
@@ -309,7 +347,7 @@ def test_cost_dims_and_registry() -> None:
     assert linear_mod.model_uses(llama)["o_proj"] == {"dim": 4096, "out": 4096, "bias": 0,
                                                        "residual": 1}
     assert sorted(SPEC.dims_from_model(llama)) == sorted(SPEC.dim_names)
-    assert REGISTRY["linear"] is SPEC and fusetune.linear is linear_mod.linear
+    assert REGISTRY["linear"] is SPEC and fusetune.linear is api.linear
     assert "linear" in fusetune.__all__
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetune
-from fusetune import gpus
+from fusetune import api, gpus
 from fusetune.kernels import REGISTRY
 from fusetune.kernels import swiglu as swiglu_mod
 from fusetune.kernels._spec import ConfigError, Point
@@ -138,7 +138,7 @@ def point(rows: int = 8192, hidden: int = 14336, dtype: str = "bfloat16") -> Poi
 
 
 def test_spec() -> None:
-    assert REGISTRY["swiglu"] is SPEC and fusetune.swiglu is swiglu_mod.swiglu
+    assert REGISTRY["swiglu"] is SPEC and fusetune.swiglu is api.swiglu
     p = point(rows=3, hidden=300)
     assert SPEC.canonical({"BLOCK": 16384, "ROWS": 16, "num_warps": 4}, p) == \
         {"BLOCK": 512, "ROWS": 4, "num_warps": 4}
