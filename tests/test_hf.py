@@ -12,13 +12,17 @@ import copy
 import importlib.util
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.hf
 
 import fusetune  # noqa: E402
+from fusetune.integrations import hf  # noqa: E402
+from fusetune.integrations.hf_check import SelfCheckError, layer_kinds  # noqa: E402
 from fusetune.kernels.fp8 import quantize_fp8, quantize_rows  # noqa: E402
 
 # --- the ops' contract in plain torch ----------------------------------------------------------
@@ -182,6 +186,7 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
     want_logits, want_tokens = logits(model, ids, mask), greedy(model, ids, mask)
 
     assert fusetune.patch(model) is model
+    ref_ops.update(dict.fromkeys(ref_ops, 0))  # the patch's self-check calls them too
     got = logits(model, ids, mask)
     n_layers = model.config.num_hidden_layers
     assert ref_ops == {"qkv": n_layers, "ffn": n_layers, "linear": 2 * n_layers, "rmsnorm": 1}
@@ -193,12 +198,33 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
     assert torch.equal(logits(model, ids, mask), want_logits)
 
 
-def test_static_cache_generate(ref_ops: dict[str, int]) -> None:
-    model = tiny("qwen2")
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_static_cache_generate(kind: str, ref_ops: dict[str, int]) -> None:
+    model = tiny(kind)
     ids, mask = prompts()
     want = greedy(model, ids, mask)
     fusetune.patch(model)
     assert torch.equal(greedy(model, ids, mask, cache_implementation="static"), want)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_cached_decode_step_matches_a_full_forward(kind: str, ref_ops: dict[str, int]) -> None:
+    """The next token's logits from the KV cache of the prompt equal those of one forward over
+    the prompt and that token: the cache is filled and read (a forward that misses the cache's
+    keyword attends to the new token alone)."""
+    model = fusetune.patch(tiny(kind))
+    ids, mask = prompts()
+    step = torch.tensor([[5], [9]])
+    full_ids, full_mask = torch.cat([ids, step], 1), torch.cat([mask, torch.ones_like(step)], 1)
+    position = (full_mask.cumsum(-1) - 1).clamp_min(0)  # left padding, as generate() counts
+    with torch.no_grad():
+        full = model(input_ids=full_ids, attention_mask=full_mask, position_ids=position).logits
+        first = model(input_ids=ids, attention_mask=mask, position_ids=position[:, :-1],
+                      use_cache=True)
+        cache = getattr(first, "cache", None) or first.past_key_values
+        cached = model(input_ids=step, attention_mask=full_mask, position_ids=position[:, -1:],
+                       past_key_values=cache, use_cache=True).logits
+    assert rel_err(cached[:, -1], full[:, -1]) <= 1e-4
 
 
 @pytest.mark.slow
@@ -282,6 +308,8 @@ def test_real_ops_match_the_model(kind: str) -> None:
     fusetune.patch(model)
     assert rel_err(logits(model, ids, mask), want_logits) <= 1e-4
     assert torch.equal(greedy(model, ids, mask), want_tokens)
+    if kind in ("llama", "mistral", "qwen2"):
+        assert torch.equal(greedy(model, ids, mask, cache_implementation="static"), want_tokens)
     fusetune.unpatch(model)
     assert torch.equal(logits(model, ids, mask), want_logits)
 
@@ -368,6 +396,7 @@ def test_training_gradients_match_the_model(kind: str, ref_ops: dict[str, int]) 
         model.config.attention_dropout = 0.0
         if patched:
             fusetune.patch(model)
+            ref_ops.update(dict.fromkeys(ref_ops, 0))  # the self-check ran the fused ops
         out = model(input_ids=ids, attention_mask=mask, labels=ids)
         out.loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
@@ -416,3 +445,78 @@ def test_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
     with pytest.raises(ImportError, match=r"pip install 'fusetune\[hf\]'"):
         fusetune.patch(torch.nn.Linear(2, 2))
+
+
+# --- (d) the patch checks itself -----------------------------------------------------------------
+
+
+def test_self_check_refuses_a_wrong_op(ref_ops: dict[str, int],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A patched forward that computes something else (here: linear's residual dropped) makes
+    patch raise, naming what differed and the transformers version; the model stays as it was."""
+    ops = importlib.import_module("fusetune.ops")
+    right = ops.linear
+    monkeypatch.setattr(ops, "linear", lambda x, w, residual=None, **kw: right(x, w, **kw))
+    model = tiny("llama")
+    before = snapshot(model)
+    with pytest.raises(SelfCheckError, match=rf"transformers {transformers.__version__}, llama"
+                                             r"\): layer 0 \(LlamaDecoderLayer\), 5 prompt "
+                                             r"tokens: the patched output differs by .*left "
+                                             r"unpatched"):
+        fusetune.patch(model)
+    assert_untouched(model, before)
+    with pytest.raises(SelfCheckError):
+        fusetune.patch(model, weights="fp8-e4m3")  # checked before the weights are replaced
+    assert_untouched(model, before)
+    assert fusetune.patch(model, verify=False) is model  # the caller's choice
+
+
+def test_self_check_refuses_a_forward_that_misses_the_cache(
+        ref_ops: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward that never sees the KV cache (what a renamed keyword does) passes the prompt
+    and fails the decode step."""
+    monkeypatch.setattr(hf, "_take_cache", lambda past_key_values, kwargs: None)
+    model = tiny("qwen2")
+    before = snapshot(model)
+    with pytest.raises(SelfCheckError, match=r"layer 0 \(Qwen2DecoderLayer\), a cached decode "
+                                             r"step after 5 tokens: the patched (output differs|"
+                                             r"forward raised)"):
+        fusetune.patch(model)
+    assert_untouched(model, before)
+
+
+def test_self_check_covers_each_layer_kind(ref_ops: dict[str, int]) -> None:
+    model = tiny("qwen2", num_hidden_layers=4, use_sliding_window=True, sliding_window=4,
+                 max_window_layers=2,
+                 layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2)
+    assert layer_kinds(model.model) == [0, 2]
+    assert layer_kinds(tiny("llama").model) == [0]
+
+
+def test_untested_transformers_warns(ref_ops: dict[str, int],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hf, "_version", lambda: "5.99.0")
+    with pytest.warns(fusetune.FusetuneWarning,
+                      match=rf"transformers 5.99.0 is outside the tested range "
+                            rf"transformers{hf.TESTED_TRANSFORMERS}"):
+        fusetune.patch(tiny("llama"))
+
+
+def test_the_hf_extra_and_ci_test_the_declared_range() -> None:
+    """pyproject's hf extra declares the range patch was tested with, the test extra pins its
+    oldest release, and the README's test command runs these tests again with the newest."""
+    from packaging.specifiers import SpecifierSet
+
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).parents[1]
+    with open(root / "pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    tested = SpecifierSet(hf.TESTED_TRANSFORMERS)
+    assert extras["hf"] == [f"transformers{hf.TESTED_TRANSFORMERS}"]
+    oldest = next(s.version for s in tested if s.operator == ">=")
+    upper = next(s.version for s in tested if s.operator == "<")
+    assert f"transformers=={oldest}.0" in extras["test"]
+    readme = (root / "README.md").read_text()
+    assert '--no-deps "transformers>=' in readme and f',<{upper}"' in readme
+    assert "python -m pytest -q -n auto -m hf" in readme
+    assert transformers.__version__ in tested

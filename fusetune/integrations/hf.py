@@ -27,6 +27,11 @@ the projections as torch matmuls, fusetune.rope and fusetune.swiglu, all with ba
 again: same modules, same parameters, same forward functions. A model whose projections were
 quantized to FP8 cannot get its 16-bit weights back; `unpatch` refuses it.
 
+transformers moves: its layers take the KV cache as `cache` from 5.24 and as `past_key_values`
+before (CacheApi), and each release the patched forwards follow is one of TESTED_TRANSFORMERS;
+before `patch` returns, the patched layers check themselves against the model's own forwards on
+the installed release (hf_check.self_check).
+
 The ops are looked up in `fusetune.ops` at every call (`from fusetune import ops`), so that a
 substitute module or function can stand in for them.
 """
@@ -34,7 +39,9 @@ substitute module or function can stand in for them.
 from __future__ import annotations
 
 import importlib
+import inspect
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,12 +50,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# the training path's ops: the public functions, which torch.compile traces as custom ops
+from fusetune.api import rmsnorm, rope, swiglu
+from fusetune.integrations.hf_check import self_check
 from fusetune.kernels._spec import DTYPES, WEIGHT_FORMATS
-from fusetune.kernels.rmsnorm import rmsnorm
-from fusetune.kernels.rope import rope
-from fusetune.kernels.swiglu import swiglu
 
 _STATE = "_fusetune_patch"  # attribute of the patched base model (LlamaModel, ...)
+# the transformers releases whose model forwards the patched ones were checked against; the
+# `hf` extra of pyproject.toml allows the same range
+TESTED_TRANSFORMERS = ">=5.17,<5.25"
 ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
@@ -92,6 +102,40 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class CacheApi:
+    """How the installed transformers hands the KV cache to a layer and its attention module:
+    the keyword (`past_key_values` up to 5.23; `cache` from 5.24, where the old name still works
+    through a deprecation shim on the model's own forwards, which the patched ones replace), and
+    whether the attention passes its keyword arguments on to `Cache.update` (from 5.24)."""
+
+    name: str
+    update_kwargs: bool
+
+    @classmethod
+    def of(cls, family: Family) -> CacheApi:
+        params = inspect.signature(family.cls("Attention").forward).parameters
+        if "cache" in params:
+            return cls("cache", update_kwargs=True)
+        if "past_key_values" in params:
+            return cls("past_key_values", update_kwargs=False)
+        raise ValueError(
+            f"fusetune.patch ({family.name}): {family.prefix}Attention.forward takes the KV cache "
+            f"by neither `cache` nor `past_key_values` (transformers {_version()}); tested: "
+            f"transformers{TESTED_TRANSFORMERS}")
+
+
+def _take_cache(past_key_values: Any, kwargs: dict[str, Any]) -> Any:
+    """The KV cache, given under either keyword (CacheApi); removes `cache` from kwargs."""
+    cache = kwargs.pop("cache", None)
+    if cache is None:
+        return past_key_values
+    if past_key_values is not None and past_key_values is not cache:
+        raise TypeError("fusetune: a patched forward got two KV caches, as `cache` and as "
+                        "`past_key_values`; pass one")
+    return cache
+
+
 @dataclass
 class PatchState:
     """What `patch` did to one model, kept on its base model for `unpatch`."""
@@ -102,8 +146,8 @@ class PatchState:
     forwards: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (module, bound fwd)
 
 
-def patch(model: nn.Module, *, weights: str | None = None,
-          activations: str | None = None) -> nn.Module:
+def patch(model: nn.Module, *, weights: str | None = None, activations: str | None = None,
+          verify: bool = True) -> nn.Module:
     """Runs the transformers causal LM `model` (Llama, Mistral, Qwen2 families; also their base
     models, e.g. LlamaModel) through fusetune's fused ops, in place; returns `model`.
 
@@ -119,6 +163,15 @@ def patch(model: nn.Module, *, weights: str | None = None,
 
     Everything is checked before anything changes: an unsupported model raises ValueError and is
     left as it was.
+
+    verify: before returning, the patched forwards check themselves against the model's own
+    (`fusetune.integrations.hf_check.self_check`: one layer of each kind on a few tokens, then
+    one cached decode step, and the final norm); a difference beyond the dtype's tolerance
+    raises SelfCheckError (a RuntimeError) naming what differed and the transformers version,
+    and leaves the model unpatched. With FP8 weights the check runs before the weights are
+    quantized (the same forwards on the 16-bit weights). It costs a few small launches (and
+    compiling their kernels once). `verify=False` skips it. A transformers release outside
+    TESTED_TRANSFORMERS gives a FusetuneWarning first.
 
     Training: where autograd records a layer (gradients enabled and a parameter or input that
     requires grad), it runs ops that have backward passes instead of the fused inference
@@ -151,17 +204,21 @@ def patch(model: nn.Module, *, weights: str | None = None,
                                           next(base.parameters()).device)
     if next(base.parameters()).device.type == "cuda":
         ops.lower_as_fallbacks()  # for generate(cache_implementation="static"), which compiles
+    _warn_if_untested()
+    api = CacheApi.of(family)
     state = PatchState(family.name, weights or "", activations or "")
+    if verify:
+        # FP8 weights replace the 16-bit ones for good: the forwards are checked on the 16-bit
+        # weights first (the same forwards, with scales added), so that a failed check can
+        # leave the model as it was
+        _bind_all(state, base, family, api, fp8=False, act=False)
+        try:
+            self_check(base, [fwd for _, fwd in state.forwards], family.name, api.name)
+        finally:
+            _unbind_all(state)
     if weights:
         _quantize(base, weights.removeprefix("fp8-"))
-    eager = family.modeling().eager_attention_forward
-    fp8 = bool(weights)
-    act = bool(activations)
-    for layer in base.layers:
-        _bind(state, layer.self_attn,
-              _attention_forward(layer.input_layernorm, family.sliding_window, eager, fp8, act))
-        _bind(state, layer, _layer_forward(fp8, act))
-    _bind(state, base.norm, _norm_forward)
+    _bind_all(state, base, family, api, fp8=bool(weights), act=bool(activations))
     setattr(base, _STATE, state)
     _drop_compiled(model)
     return model
@@ -197,6 +254,27 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 
 # --- recognising and checking a model ------------------------------------------------------------
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _warn_if_untested() -> None:
+    from packaging.specifiers import SpecifierSet
+
+    from fusetune.tables import FusetuneWarning
+
+    version = _version()
+    if not SpecifierSet(TESTED_TRANSFORMERS).contains(version, prereleases=True):
+        warnings.warn(
+            f"fusetune.patch: transformers {version} is outside the tested range "
+            f"transformers{TESTED_TRANSFORMERS}; patch's self-check (verify=True) compares "
+            "the patched layers with the model's own before it returns, but the other paths "
+            "(training, the static cache) were not tested with this release", FusetuneWarning,
+            stacklevel=3)
 
 
 def _recognise(model: nn.Module, who: str) -> tuple[Family, nn.Module]:
@@ -323,6 +401,22 @@ def _bind(state: PatchState, module: nn.Module, fn: Callable[..., Any]) -> None:
     state.forwards.append((module, bound))
 
 
+def _bind_all(state: PatchState, base: nn.Module, family: Family, api: CacheApi, *, fp8: bool,
+              act: bool) -> None:
+    eager = family.modeling().eager_attention_forward
+    for layer in base.layers:
+        _bind(state, layer.self_attn, _attention_forward(
+            layer.input_layernorm, family.sliding_window, eager, api, fp8, act))
+        _bind(state, layer, _layer_forward(api, fp8, act))
+    _bind(state, base.norm, _norm_forward)
+
+
+def _unbind_all(state: PatchState) -> None:
+    for module, _ in state.forwards:
+        module.__dict__.pop("forward", None)
+    state.forwards.clear()
+
+
 def _drop_compiled(model: nn.Module) -> None:
     # generate() keeps its torch.compile'd __call__ on the model; one traced through the other
     # forwards must not be reused
@@ -384,18 +478,20 @@ def _scale(lin: nn.Module, fp8: bool) -> torch.Tensor | None:
 
 
 def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], int | None] | None,
-                       eager: Callable[..., Any], fp8: bool, act: bool = False
+                       eager: Callable[..., Any], api: CacheApi, fp8: bool, act: bool = False
                        ) -> Callable[..., Any]:
-    """The attention module's forward (signature of transformers 5.17's LlamaAttention.forward),
-    with the layer's input norm folded in and the residual add after o_proj."""
+    """The attention module's forward (signature of LlamaAttention.forward; the KV cache comes
+    as `cache` or `past_key_values`, see CacheApi), with the layer's input norm folded in and
+    the residual add after o_proj."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def forward(self: nn.Module, hidden_states: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None, past_key_values: Any = None,
+                attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         from fusetune import ops
 
+        cache = _take_cache(past_key_values, kwargs)
         train = _wants_grad(self, hidden_states, fp8, (norm.weight,))
         input_shape = hidden_states.shape[:-1]
         head_shape = (*input_shape, -1, self.head_dim)
@@ -418,9 +514,12 @@ def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], in
         key_states = k.view(head_shape).transpose(1, 2)
         value_states = v.view(head_shape).transpose(1, 2)
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states,
-                                                              self.layer_idx)
+        if cache is not None:
+            # as the model's own forward calls it: transformers 5.24 and later hand the
+            # attention's keyword arguments to the cache too
+            extra = {"kwargs": kwargs} if api.update_kwargs else {}
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx,
+                                                    **extra)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager)
         if sliding_window is not None:
@@ -440,9 +539,9 @@ def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], in
     return forward
 
 
-def _layer_forward(fp8: bool, act: bool = False) -> Callable[..., Any]:
-    """The decoder layer's forward (signature and return convention of transformers 5.17's
-    LlamaDecoderLayer.forward: the new hidden states alone)."""
+def _layer_forward(api: CacheApi, fp8: bool, act: bool = False) -> Callable[..., Any]:
+    """The decoder layer's forward (signature and return convention of LlamaDecoderLayer.forward:
+    the new hidden states alone; the KV cache as `cache` or `past_key_values`)."""
 
     def forward(self: nn.Module, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None,
@@ -452,10 +551,11 @@ def _layer_forward(fp8: bool, act: bool = False) -> Callable[..., Any]:
                 **kwargs: Any) -> torch.Tensor:
         from fusetune import ops
 
+        kwargs[api.name] = _take_cache(past_key_values, kwargs)
         # the patched attention returns the layer input + the attention block's output
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states, attention_mask=attention_mask,
-            position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+            position_ids=position_ids, use_cache=use_cache,
             position_embeddings=position_embeddings, **kwargs)
         norm, mlp = self.post_attention_layernorm, self.mlp
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
