@@ -205,7 +205,7 @@ def _checked(entry: RawEntry, spec: KernelSpec
 # The name of a GPU outside the catalogue is the slug of its CUDA device name
 # (gpus.spec_from_device): that is what a search on it stores, `fusetune export` writes and the
 # runtime looks up there. The driver's names begin with the vendor or the product line ("NVIDIA
-# L40S" -> nvidia-l40s, "Tesla T4" -> tesla-t4, "AMD Instinct MI300X" under ROCm), or the slug
+# A40" -> nvidia-a40, "Tesla T4" -> tesla-t4, "AMD Instinct MI300X" under ROCm), or the slug
 # is cuda-<index> for a device without a name. Any other name is taken for a typo ("rtx9999",
 # "h100x"), whose entries would match no device, unless the table lists it in its provenance
 # (UNCATALOGUED_FIELD), as export does for every GPU outside the catalogue it writes.
@@ -217,7 +217,7 @@ UNCATALOGUED_FIELD = "uncatalogued_gpus"
 def canonical_gpu(name: Any, uncatalogued: Collection[str] = ()) -> str:
     """The name tables key a GPU by: a catalogue GPU's canonical name for any of its names
     ("h100" -> "h100-sxm", "NVIDIA H100 80GB HBM3" -> "h100-sxm"); a GPU outside the catalogue
-    by the slug of its device name ("NVIDIA L40S" -> "nvidia-l40s"), if it begins as a device
+    by the slug of its device name ("NVIDIA A40" -> "nvidia-a40"), if it begins as a device
     name does (UNCATALOGUED_GPU) or is among `uncatalogued` (names a table lists as GPUs
     outside the catalogue). UnknownGpuError (a ValueError) for any other name, with the
     catalogue's names and aliases."""
@@ -232,7 +232,7 @@ def canonical_gpu(name: Any, uncatalogued: Collection[str] = ()) -> str:
             return slug
         raise gpus.UnknownGpuError(
             f"{e}; or a GPU outside the catalogue by its CUDA device name or that name's slug, "
-            f"as `fusetune export` writes it (nvidia-l40s, tesla-t4; any other name listed in "
+            f"as `fusetune export` writes it (nvidia-a40, tesla-t4; any other name listed in "
             f"provenance.{UNCATALOGUED_FIELD})") from None
 
 
@@ -540,10 +540,13 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
         res = spec.resources(c, point)
         if res.unfit or check_fits(res, gpu) is not None:
             continue
-        if spec.padding is not None:
-            source = Point.make(kernel, dict(other_dims), 1, r, dtype, weights, activations)
-            if spec.padding(c, point) > spec.padding(config, source) + NEARBY_PADDING:
-                continue  # its tiles fit the other dims, not these: more of them masked off
+        source = Point.make(kernel, dict(other_dims), 1, r, dtype, weights, activations)
+        if spec.structure is not None and spec.structure(c, point) != spec.structure(config,
+                                                                                     source):
+            continue  # another structure there (a row in two passes, not one): not what won
+        if spec.padding is not None and \
+                spec.padding(c, point) > spec.padding(config, source) + NEARBY_PADDING:
+            continue  # its tiles fit the other dims, not these: more of them masked off
         return Resolution(c, "nearby", r, other_dims, info.speedup)
     return None
 

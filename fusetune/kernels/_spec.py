@@ -10,7 +10,7 @@ import hashlib
 import inspect
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -187,6 +187,10 @@ class KernelSpec:
     - `carry_same`: dims a tuned entry must share with a point to lend it its config (qkv's
       head_dim and pairing: its tiles map onto the heads' rotation pairs; rmsnorm_bwd's only
       dim, so that it lends to no other dims).
+    - `structure(config, point)`: what of the kernel's structure a config takes at a point
+      that depends on the point (rmsnorm: whether a row fits one block, or is walked in
+      passes); the lookup carries a config to other dims only where its structure there is
+      the one it was tuned with (None: no such check).
     """
 
     name: str
@@ -217,13 +221,14 @@ class KernelSpec:
     one_row_structure: bool = False
     one_row_same: tuple[str, ...] = ()
     carry_same: tuple[str, ...] = ()
+    structure: Callable[[Config, Point], Hashable] | None = None
 
     def point_weights(self, fmt: str, dtype: str) -> str:
         """Point.weights for weights in format `fmt` (one of WEIGHT_CHOICES) with `dtype`
         activations (see `point_weights`); ValueError where this kernel cannot take them."""
         if not self.weight_formats:
             raise ValueError(f"weights {fmt!r}: {self.name} has no weights (a weight format "
-                             "applies to the matmul kernels ffn, qkv and lola)")
+                             "applies to the matmul kernels ffn, qkv, linear and lola)")
         key = point_weights(fmt, dtype)
         if key and key not in self.weight_formats:
             raise ValueError(f"weights {fmt!r}: {self.name} takes "

@@ -264,6 +264,11 @@ def _canonical(config: Config, point: Point) -> Config:
     return c
 
 
+def _structure(config: Config, point: Point) -> bool:
+    # one block holds the whole row (SINGLE_PASS), or the kernel walks it twice in blocks
+    return config["BLOCK_D"] >= point.dim["dim"]
+
+
 def _resources(config: Config, point: Point) -> Resources:
     elt = DTYPE_BYTES[point.dtype]
     threads = 32 * config["num_warps"]
@@ -305,4 +310,5 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     source_objects=(_rmsnorm_kernel, _launch_2d),
+    structure=_structure,
 )
