@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -221,6 +222,10 @@ def main() -> int:
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)", file=sys.stderr)
+        return 1
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        print("--device cpu runs fusetune's kernels through Triton's interpreter: set "
+              "TRITON_INTERPRET=1 in the environment", file=sys.stderr)
         return 1
     import transformers
 

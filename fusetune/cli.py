@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +14,14 @@ from click.core import ParameterSource
 from rich.console import Console
 from rich.table import Table
 
-from fusetune.cli_options import DEFAULT_DB, PointArgs, int_list, point_options, str_list
+from fusetune.cli_options import (
+    DEFAULT_DB,
+    PointArgs,
+    int_list,
+    one_kernel_point_options,
+    point_options,
+    str_list,
+)
 from fusetune.tuner.search import (
     DEFAULT_GRID,
     INTERPRETER_GRID,
@@ -81,11 +89,12 @@ def gpus() -> None:
     visible = g.visible_gpus()
     t = Table(title="GPU catalogue")
     for col in ("name", "aliases", "device name", "cc", "SMs", "smem/block KB", "regs/block",
-                "GB/s", "fp16 TF/s", "bf16 TF/s", "FP8 MMA", "fp8 TF/s", "visible"):
+                "L2 MB", "GB/s", "fp16 TF/s", "bf16 TF/s", "FP8 MMA", "fp8 TF/s", "visible"):
         t.add_column(col, overflow="fold")  # long values wrap, never cut
     for r in g.format_catalogue(visible):
         t.add_row(str(r["name"]), str(r["aliases"]), str(r["display"]), str(r["cc"]),
-                  str(r["sms"]), str(r["smem_kb"]), str(r["regs"]), str(r["bandwidth_gbs"]),
+                  str(r["sms"]), str(r["smem_kb"]), str(r["regs"]), str(r["l2_mb"]),
+                  str(r["bandwidth_gbs"]),
                   str(r["fp16_tflops"]), str(r["bf16_tflops"]), str(r["fp8"]),
                   str(r["fp8_tflops"]), f"[bold green]{r['visible']}[/]" if r["visible"] else "")
     console.print(t)
@@ -733,10 +742,32 @@ def coverage(model: str, gpu_name: str | None, dtype: str | None, weights: str |
     console.print("; ".join(f"{n} {s}" for s, n in counts.items())
                   + (f" ({marginal} of the exact and rows {MARGINAL_NOTE})"
                      if marginal else ""))
+    if counts["default"]:
+        untuned = list(dict.fromkeys(r.rows for r in report if r.source == "default"))
+        command = _tune_command(model, gpu, untuned, training, dtype, weights, activations)
+        console.print(f"The {counts['default']} default points have no tuned config on {gpu}: "
+                      f"tune them with `{command}`, then `fusetune export TABLE` and read it "
+                      "with --tables (or FUSETUNE_TABLES).", soft_wrap=True, markup=False)
+
+
+def _tune_command(model: str, gpu: str, rows: Sequence[int], training: bool, dtype: str | None,
+                  weights: str | None, activations: str) -> str:
+    """The `fusetune search` command that tunes the kernels of `model`'s path (inference, or
+    `training`) on `gpu` at `rows`, with coverage's --dtype, --weights and --activations."""
+    target = ["--backend", "interpreter"] if gpu == "interpreter" else ["--gpu", gpu]
+    args = ["fusetune", "search", "--kernel", "training" if training else "all", "--model",
+            model, *target, "--rows", ",".join(map(str, rows))]
+    if dtype is not None:
+        args += ["--dtype", dtype]
+    if weights is not None:
+        args += ["--weights", weights]
+    if activations != "16bit":
+        args += ["--activations", activations]
+    return shlex.join(args)
 
 
 @main.command("evaluate-search")
-@point_options
+@one_kernel_point_options
 @click.option("--grid/--no-grid", "run_grid", default=True, show_default=True,
               help="First time every distinct feasible config of each point that the database "
                    "does not hold yet (resumable). --no-grid replays what is stored: no GPU "
@@ -772,6 +803,13 @@ def evaluate_search(args: PointArgs, run_grid: bool, seeds: int, strategies: lis
     """
     target = (_target(args.backend, args.gpu_name, dry_run=False) if run_grid
               else _replay_target(args.backend, args.gpu_name))
+    if args.kernel in MODEL_KERNELS:  # after the target: the kernels load for its backend
+        from fusetune.kernels import REGISTRY
+
+        raise click.BadParameter(
+            f"{args.kernel!r}: evaluate-search measures one kernel's points; give one of "
+            f"{', '.join(sorted(REGISTRY))} (`fusetune search --kernel {args.kernel}` tunes "
+            "the kernels of a model)", param_hint="'--kernel'")
     chosen, skipped = _choose_strategies(strategies)
     spec, space, points = _resolve_points(args, target,
                                           target.backend == "interpreter" and run_grid)
@@ -916,13 +954,47 @@ def _run_grids(spec: Any, space: Any, points: Sequence[Any], target: Target,
 
 def _gpu_filter(name: str | None, store: Any) -> str | None:
     """The GPU of --gpu as the database names it: a catalogue GPU by its canonical name, a GPU
-    outside the catalogue by its device name's slug (what a search on it stored)."""
+    outside the catalogue by its device name's slug (what a search on it stored). A catalogue
+    GPU the database holds no points of under its canonical name, but under its device name's
+    slug (measured before the catalogue had it), by that slug."""
     from fusetune.tables import canonical_gpu
 
+    if not name:
+        return None
+    stored = store.gpus()
     try:
-        return canonical_gpu(name, store.gpus()) if name else None
+        gpu = canonical_gpu(name, stored)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    if gpu not in stored:
+        for other in stored:
+            try:
+                if canonical_gpu(other) == gpu:
+                    return str(other)
+            except ValueError:  # a GPU outside the catalogue
+                continue
+    return gpu
+
+
+def _kernel_filter(kernel: str | None, store: Any) -> str | None:
+    """--kernel of show and export: a kernel the database holds points of (a kernel this
+    version may no longer have), else one that search takes (get_spec's check: a ClickException
+    naming the valid kernels otherwise)."""
+    if kernel is None:
+        return None
+    stored = sorted({p.kernel for p in store.points()})
+    if kernel in stored:
+        return kernel
+    from fusetune.kernels import REGISTRY, get_spec
+
+    try:
+        get_spec(kernel)
+    except ValueError as e:
+        retired = [k for k in stored if k not in REGISTRY]
+        raise click.ClickException(
+            str(e) + (f"; or one that {_shown(store.url)} holds: {', '.join(retired)}"
+                      if retired else "")) from None
+    return kernel
 
 
 @main.command()
@@ -937,7 +1009,16 @@ def _gpu_filter(name: str | None, store: Any) -> str | None:
                    "weights, activations, rows = batch x seq whatever the split) and keep its "
                    "other entries, instead of writing a new table.")
 def export(path: str, gpu_name: str | None, kernel: str | None, db: str, update: bool) -> None:
-    """Write the winners in the database to the lookup table PATH (YAML)."""
+    """Write the winners in the database to the lookup table PATH (YAML).
+
+    Each entry's time_us is the median of the winner's stored timing and p20_us, p80_us its
+    20th and 80th percentiles: one set of timings, so that p20_us <= time_us <= p80_us;
+    default_us, default_p20_us and default_p80_us are the same of the default heuristic's
+    config. A config whose stored timing has no percentiles (or that has none) gets its
+    re-timed median, the one the winner was chosen by, and no percentiles. `marginal`: the
+    winner beat the default by no more than the wider of the two p20-p80 spreads (GPU timings
+    only), so the lookup runs the default there.
+    """
     from fusetune.export import build_tables, update_tables
     from fusetune.tables import TableError
 
@@ -946,6 +1027,7 @@ def export(path: str, gpu_name: str | None, kernel: str | None, db: str, update:
                                    "write a new table)")
     store = _store(db)
     gpu = _gpu_filter(gpu_name, store)
+    kernel = _kernel_filter(kernel, store)
     doc = build_tables(store, gpu=gpu, kernel=kernel)
     if not doc["gpus"]:
         raise click.ClickException(
@@ -966,13 +1048,30 @@ def export(path: str, gpu_name: str | None, kernel: str | None, db: str, update:
                   f"{done.kept} kept ({n} in all)")
 
 
-def _os_error(e: OSError) -> str:
-    """Why writing or reading a file failed: the directory at fault, else the system's words."""
-    folder = str(Path(e.filename).parent) if e.filename else None
-    if isinstance(e, FileNotFoundError) and folder:
-        return f"directory {folder!r} does not exist"
-    if isinstance(e, NotADirectoryError) and folder:
-        return f"{folder!r} is not a directory"
+def _is_dir(path: Path) -> bool | None:
+    """Whether `path` is a directory; None where that cannot be told (no permission to look)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return None
+
+
+def _os_error(e: OSError, writing: bool = False) -> str:
+    """Why reading or (`writing`) writing a file failed: the directory at fault (missing, not a
+    directory, or one that takes no new file), else the system's words."""
+    if not e.filename:
+        return e.strerror or str(e)
+    folder = Path(e.filename).parent
+    if isinstance(e, NotADirectoryError):
+        return f"{str(folder)!r} is not a directory"
+    is_dir = _is_dir(folder)
+    if isinstance(e, FileNotFoundError) and is_dir is False:
+        return f"directory {str(folder)!r} does not exist"
+    if writing and is_dir:
+        # A directory that exists and refuses the file (permissions, a read-only or virtual
+        # file system such as /proc); the system's words unless they would say "no such file".
+        why = "" if isinstance(e, FileNotFoundError) or not e.strerror else f" ({e.strerror})"
+        return f"directory {str(folder)!r} cannot be written{why}"
     return e.strerror or str(e)
 
 
@@ -984,7 +1083,7 @@ def _write(doc: dict[str, Any], path: str) -> int:
     try:
         return write_tables(doc, path)
     except OSError as e:
-        raise click.ClickException(f"cannot write {path}: {_os_error(e)}") from None
+        raise click.ClickException(f"cannot write {path}: {_os_error(e, writing=True)}") from None
     except TableError as e:  # a table the runtime would refuse is not written
         raise click.ClickException(f"not writing {path}: {e}") from None
 
@@ -1008,6 +1107,7 @@ def show(db: str, gpu_name: str | None, kernel: str | None, point_id: int | None
 
     store = _store(db)
     gpu = _gpu_filter(gpu_name, store)
+    kernel = _kernel_filter(kernel, store)
     winners = {p.id: w for p, w in store.winners(gpu=gpu, kernel=kernel)}
     cols = ("id", "gpu", "kernel", "dims", "b", "s", "dtype", "weights", "backend", "triton",
             "results", "winner", "µs", "default µs", "speedup")

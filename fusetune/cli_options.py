@@ -3,6 +3,7 @@ which kernel and points, where results go, how configs run. Parsed into one `Poi
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -42,17 +43,30 @@ def str_list(_ctx: Any, param: click.Parameter, value: str | None) -> list[str] 
     return None if value is None else _items(param, value, "comma-separated names")
 
 
+# Dims that switch a kernel's layout or epilogue on or off (0 or 1) rather than size it: rope's
+# and qkv's `interleaved`, linear's `bias` and `residual`. Every other dim is a size.
+FLAG_DIMS = ("bias", "interleaved", "residual")
+
+
 def dims_map(_ctx: Any, param: click.Parameter, value: str | None) -> dict[str, int] | None:
     if value is None:
         return None
     out: dict[str, int] = {}
     for part in value.split(","):
         name, _, num = part.partition("=")
+        name = name.strip()
         try:
-            out[name.strip()] = int(num)
+            out[name] = int(num)
         except ValueError:
             raise click.BadParameter(f"{value!r}: {part!r} is not name=integer; expected "
                                      "e.g. dim=4096,hidden=11008", param=param) from None
+        if name in FLAG_DIMS and out[name] not in (0, 1):
+            raise click.BadParameter(f"{value!r}: {name}={out[name]} must be 0 or 1 (a switch, "
+                                     f"as {', '.join(FLAG_DIMS)} are)", param=param)
+        if name not in FLAG_DIMS and out[name] < 1:
+            raise click.BadParameter(f"{value!r}: {name}={out[name]} must be a positive integer "
+                                     f"(a size; only the switches {', '.join(FLAG_DIMS)} take "
+                                     "0)", param=param)
     return out
 
 
@@ -85,17 +99,25 @@ class PointArgs:
         return self.trial_timeout if self.isolate else None
 
 
-_OPTIONS = (
-    click.option("--kernel", "-k", required=True,
-                 help="Kernel to tune (rmsnorm, rope, qkv, ffn, lola, linear; for training "
-                      "rmsnorm_bwd, rope_bwd, swiglu, swiglu_bwd), or "
-                      "`all`: every kernel that fusetune.patch launches in --model (qkv, ffn, "
-                      "linear for o_proj and down_proj, rmsnorm), at its decode and prefill "
-                      "rows (--max-batch, --prefill) or at `search --rows`; with `search "
-                      "--points FILE`, every kernel the file names. `training`: every kernel "
-                      "of the patched model's training path (rmsnorm and rmsnorm_bwd, rope and "
-                      "rope_bwd on q and on k, swiglu and swiglu_bwd), at a step's token rows "
-                      "(4096, 8192, 16384 unless --rows or --batch/--seq)."),
+_KERNELS_HELP = ("rmsnorm, rope, qkv, ffn, lola, linear; for training rmsnorm_bwd, rope_bwd, "
+                 "swiglu, swiglu_bwd")
+# --kernel of `search`: one kernel, or the kernels of a model's path.
+_KERNEL_OR_MODEL = click.option(
+    "--kernel", "-k", required=True,
+    help=f"Kernel to tune ({_KERNELS_HELP}), or "
+         "`all`: every kernel that fusetune.patch launches in --model (qkv, ffn, "
+         "linear for o_proj and down_proj, rmsnorm), at its decode and prefill "
+         "rows (--max-batch, --prefill) or at `search --rows`; with `search "
+         "--points FILE`, every kernel the file names. `training`: every kernel "
+         "of the patched model's training path (rmsnorm and rmsnorm_bwd, rope and "
+         "rope_bwd on q and on k, swiglu and swiglu_bwd), at a step's token rows "
+         "(4096, 8192, 16384 unless --rows or --batch/--seq).")
+# --kernel of the commands that measure one kernel's points (`evaluate-search`).
+_ONE_KERNEL = click.option(
+    "--kernel", "-k", required=True,
+    help=f"Kernel whose points are measured: one kernel ({_KERNELS_HELP}). The kernels of a "
+         "whole model are tuned by `fusetune search --kernel all` (or training).")
+_GPU_AND_MODEL = (
     click.option("--gpu", "gpu_name", default=None,
                  help="GPU the tables are for (3090, h100, a100-80gb; see `fusetune gpus`). Must "
                       "be a visible device when configs run. Default: the first visible GPU."),
@@ -104,11 +126,19 @@ _OPTIONS = (
                       "mistral-7b, qwen2.5-7b, ...) or a Hugging Face model directory or its "
                       "config.json (Llama, Mistral, Qwen2; read locally, no weights). Default: "
                       f"{DEFAULT_GRID['model']}."),
-    click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True,
+)
+# The rows of a model's path (`--kernel all`); PointArgs holds these defaults where a command
+# has no such options.
+_MODEL_DEFAULTS: dict[str, Any] = {"max_batch": 8, "prefill": [512, 4096]}
+_MODEL_ROWS = (
+    click.option("--max-batch", type=click.IntRange(min=1), default=_MODEL_DEFAULTS["max_batch"],
+                 show_default=True,
                  help="--kernel all: decode batch sizes 1, 2, 4, ... up to this."),
     click.option("--prefill", callback=int_list,
-                 default="512,4096", show_default=True,
+                 default=",".join(map(str, _MODEL_DEFAULTS["prefill"])), show_default=True,
                  help="--kernel all: prefill token counts (a batch of one prompt each)."),
+)
+_OPTIONS = (
     click.option("--dim", type=click.IntRange(min=1), default=None,
                  help="Width of the normalized rows (instead of --model)."),
     click.option("--dims", "dims_opt", callback=dims_map, default=None,
@@ -122,10 +152,11 @@ _OPTIONS = (
     click.option("--dtype", callback=str_list, default=None,
                  help=f"Activation dtypes. Default: {','.join(DEFAULT_GRID['dtype'])}."),
     click.option("--weights", default=None,
-                 help="Weight format (ffn, qkv, lola): fp8-e4m3 or fp8-e5m2 (FP8 with a float32 "
-                      "scale per output channel, as from fusetune.quantize_fp8), or fp16 / bf16, "
-                      "the activations' own dtype (the default; weights other than FP8 are read "
-                      "in x's dtype). Part of each point's key and of the exported tables."),
+                 help="Weight format (ffn, qkv, linear, lola): fp8-e4m3 or fp8-e5m2 (FP8 with "
+                      "a float32 scale per output channel, as from fusetune.quantize_fp8), or "
+                      "fp16 / bf16, the activations' own dtype (the default; weights other than "
+                      "FP8 are read in x's dtype). Part of each point's key and of the exported "
+                      "tables."),
     click.option("--activations", type=click.Choice(("16bit", "fp8")), default="16bit",
                  show_default=True,
                  help="How FP8 weights meet the activations: 16bit keeps them in their dtype "
@@ -160,15 +191,27 @@ _OPTIONS = (
 _NAMES = tuple(f.name for f in fields(PointArgs))
 
 
-def point_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Adds the shared options to a click command; it receives them as its first argument, one
-    `PointArgs`, and its own options as keywords."""
-
+def _add_options(command: Callable[..., Any], options: tuple[Any, ...]) -> Callable[..., Any]:
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
-        args = PointArgs(**{name: kwargs.pop(name) for name in _NAMES})
+        args = PointArgs(**{name: kwargs.pop(name) if name in kwargs
+                            else copy.copy(_MODEL_DEFAULTS[name]) for name in _NAMES})
         return command(args, **kwargs)
 
-    for option in reversed(_OPTIONS):
+    for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper
+
+
+def point_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Adds the shared options to a click command (`--kernel` takes a kernel's name, `all` or
+    `training`); it receives them as its first argument, one `PointArgs`, and its own options as
+    keywords."""
+    return _add_options(command, (_KERNEL_OR_MODEL, *_GPU_AND_MODEL, *_MODEL_ROWS, *_OPTIONS))
+
+
+def one_kernel_point_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """As point_options, for a command that measures one kernel's points: `--kernel` takes a
+    kernel's name only, and the options of a model's path (--max-batch, --prefill) are left
+    out (PointArgs holds their defaults)."""
+    return _add_options(command, (_ONE_KERNEL, *_GPU_AND_MODEL, *_OPTIONS))

@@ -22,7 +22,7 @@ def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
     """The table document for the winners in `store`: the newest winner per lookup key (GPU,
     kernel, dims, dtype, weights, activation mode, rows = batch × seq), as the lookup reads one
     entry per row count (points of other batch × seq splits of the same rows would leave one
-    entry unread)."""
+    entry unread). Each entry's timings as `_timings` gives them."""
     gpus: dict[str, dict[str, list[dict[str, Any]]]] = {}
     seen: set[tuple[Any, ...]] = set()
     versions: set[tuple[str, str]] = set()
@@ -38,32 +38,44 @@ def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
             entry["weights"] = p.weight_format
         if p.activations:
             entry["activations"] = p.activations
-        entry.update(batch=p.batch, seq=p.seq, config=dict(w.config),
-                     time_us=round(w.time_us, 3),
-                     default_us=None if w.default_us is None else round(w.default_us, 3))
-        entry.update(_spread(store, p.id, w, judge=p.backend == "cuda"))
+        entry.update(batch=p.batch, seq=p.seq, config=dict(w.config))
+        entry.update(_timings(store, p.id, w, judge=p.backend == "cuda"))
         entry.update(triton=p.triton_version, torch=p.torch_version, backend=p.backend)
         gpus.setdefault(p.gpu, {}).setdefault(p.kernel, []).append(entry)
     return _document(gpus, versions)
 
 
-def _spread(store: Store, point_id: int, winner: Any, judge: bool) -> dict[str, Any]:
-    """The p20/p80 µs of the winner's and the default config's stored timings, and (`judge`:
-    timings of a GPU, not the interpreter's wall clock) `marginal` where the winner beat the
-    default by no more than the wider of the two spreads (the lookup then runs the default: a
-    win within the noise is no reason to leave it)."""
+def _timings(store: Store, point_id: int, winner: Any, judge: bool) -> dict[str, Any]:
+    """An entry's timings, in µs. `time_us`, `p20_us`, `p80_us`: the median and the 20th and
+    80th percentiles of the winner config's stored timing, one set of timings (so that p20_us
+    <= time_us <= p80_us); `default_us`, `default_p20_us`, `default_p80_us` the same of the
+    default config. Where the database holds no such timing of a config (none, or one without
+    its percentiles), its median is the re-timed one of the winner row (the timing the winner
+    was chosen by), without percentiles. With `judge` (timings of a GPU, not the interpreter's
+    wall clock), `marginal` where the winner beat the default by no more than the wider of the
+    two p20-p80 spreads, all as written (the lookup then runs the default: a win within the
+    noise is no reason to leave it)."""
     from fusetune.tuner.space import config_key
 
     results = store.results(point_id)
-    out: dict[str, Any] = {}
-    spreads = []
-    for prefix, config in (("", winner.config), ("default_", winner.default_config)):
+    times: dict[str, float | None] = {}
+    spreads: dict[str, tuple[float, float]] = {}
+    for prefix, config, retimed in (("", winner.config, winner.time_us),
+                                    ("default_", winner.default_config, winner.default_us)):
         r = results.get(config_key(config))
-        if r is not None and r.p20_us is not None and r.p80_us is not None:
-            out[f"{prefix}p20_us"], out[f"{prefix}p80_us"] = round(r.p20_us, 3), round(r.p80_us, 3)
-            spreads.append(r.p80_us - r.p20_us)
-    if judge and winner.default_us is not None and spreads:
-        out["marginal"] = winner.default_us - winner.time_us <= max(spreads)
+        stored = r.time_us if r is not None and r.status == "ok" else None
+        if stored is not None and r.p20_us is not None and r.p80_us is not None:
+            times[prefix] = stored
+            spreads[prefix] = (r.p20_us, r.p80_us)
+        else:
+            times[prefix] = retimed if retimed is not None else stored
+    won, default = times[""], times["default_"]
+    out: dict[str, Any] = {"time_us": None if won is None else round(won, 3),
+                           "default_us": None if default is None else round(default, 3)}
+    for prefix, (p20, p80) in spreads.items():
+        out[f"{prefix}p20_us"], out[f"{prefix}p80_us"] = round(p20, 3), round(p80, 3)
+    if judge and won is not None and default is not None and spreads:
+        out["marginal"] = default - won <= max(p80 - p20 for p20, p80 in spreads.values())
     return out
 
 

@@ -27,6 +27,7 @@ __all__ = [
 ]
 
 _KIB = 1024
+_MIB = 1024 * _KIB
 # Static shared memory limit without opt-in; used when the opt-in value cannot be read.
 _DEFAULT_SMEM_PER_BLOCK = 48 * _KIB
 
@@ -58,6 +59,8 @@ class GpuSpec:
     fp8_tensor_cores: bool = False
     # Dense FP8 tensor-core rate with float32 accumulation (the kernels' tl.dot), datasheet.
     peak_fp8_tflops: float | None = None
+    # L2 cache in bytes (None: unknown).
+    l2_bytes: int | None = None
 
     def peak_tflops(self, dtype: str, activations: str = "") -> float | None:
         """The datasheet rate that bounds a point's products from below: FP8 where its
@@ -93,15 +96,18 @@ class GpuNotFoundError(RuntimeError):
 
 
 # Shared-memory sizes (bytes) from the CUDA C++ Programming Guide, "Technical
-# Specifications per Compute Capability" (opt-in max per block / per SM).
-_SMEM_SM86_BLOCK, _SMEM_SM86_SM = 99 * _KIB, 100 * _KIB  # sm_86, sm_89
+# Specifications per Compute Capability" (opt-in max per block / per SM; 1 KB per block is
+# reserved for the system).
+_SMEM_SM86_BLOCK, _SMEM_SM86_SM = 99 * _KIB, 100 * _KIB  # sm_86, sm_89, sm_120
 _SMEM_SM80_BLOCK, _SMEM_SM80_SM = 163 * _KIB, 164 * _KIB  # sm_80
-_SMEM_SM90_BLOCK, _SMEM_SM90_SM = 227 * _KIB, 228 * _KIB  # sm_90
+_SMEM_SM90_BLOCK, _SMEM_SM90_SM = 227 * _KIB, 228 * _KIB  # sm_90, sm_100
 
 _COMMON = {"regs_per_block": 65536, "regs_per_thread": 255, "max_threads_per_block": 1024}
 
 # Peak numbers are dense tensor-core FP16/BF16 with FP32 accumulate (no sparsity),
-# from the NVIDIA architecture whitepapers / product datasheets.
+# from the NVIDIA architecture whitepapers / product datasheets (which quote the sparse rate,
+# twice the dense one). GeForce cards accumulate FP16/BF16 and FP8 products in FP32 at half
+# their FP16-accumulate rate. L2 sizes: the whitepapers and tuning guides.
 CATALOGUE: tuple[GpuSpec, ...] = (
     GpuSpec(
         name="rtx-3090",
@@ -116,6 +122,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         bandwidth_gbs=936.0,
         peak_fp16_tflops=71.0,
         peak_bf16_tflops=71.0,
+        l2_bytes=6 * _MIB,
         **_COMMON,
     ),
     GpuSpec(
@@ -133,6 +140,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         peak_bf16_tflops=165.2,
         fp8_tensor_cores=True,
         peak_fp8_tflops=330.3,
+        l2_bytes=72 * _MIB,
         **_COMMON,
     ),
     GpuSpec(
@@ -148,6 +156,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         bandwidth_gbs=1555.0,
         peak_fp16_tflops=312.0,
         peak_bf16_tflops=312.0,
+        l2_bytes=40 * _MIB,
         **_COMMON,
     ),
     GpuSpec(
@@ -163,6 +172,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         bandwidth_gbs=2039.0,  # SXM4; the PCIe card is rated 1935 GB/s
         peak_fp16_tflops=312.0,
         peak_bf16_tflops=312.0,
+        l2_bytes=40 * _MIB,
         **_COMMON,
     ),
     GpuSpec(
@@ -180,6 +190,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         peak_bf16_tflops=121.0,
         fp8_tensor_cores=True,
         peak_fp8_tflops=242.5,
+        l2_bytes=48 * _MIB,
         **_COMMON,
     ),
     GpuSpec(
@@ -197,6 +208,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         peak_bf16_tflops=989.0,
         fp8_tensor_cores=True,
         peak_fp8_tflops=1979.0,
+        l2_bytes=50 * _MIB,
         **_COMMON,
     ),
     GpuSpec(
@@ -214,6 +226,7 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         peak_bf16_tflops=756.0,
         fp8_tensor_cores=True,
         peak_fp8_tflops=1513.0,
+        l2_bytes=50 * _MIB,
         **_COMMON,
     ),
     GpuSpec(
@@ -231,6 +244,206 @@ CATALOGUE: tuple[GpuSpec, ...] = (
         peak_bf16_tflops=989.0,
         fp8_tensor_cores=True,
         peak_fp8_tflops=1979.0,
+        l2_bytes=60 * _MIB,  # as the device reports it (the H100's is 50 MB)
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="l40s",
+        display="NVIDIA L40S",
+        aliases=("nvidia-l40s",),
+        device_names=("NVIDIA L40S",),
+        compute_capability=(8, 9),
+        sms=142,
+        smem_per_block=_SMEM_SM86_BLOCK,
+        smem_per_sm=_SMEM_SM86_SM,
+        memory_gb=48.0,
+        bandwidth_gbs=864.0,
+        peak_fp16_tflops=362.05,
+        peak_bf16_tflops=362.05,
+        fp8_tensor_cores=True,
+        peak_fp8_tflops=733.0,
+        l2_bytes=96 * _MIB,  # not on the datasheet: AD102's L2 (Ada whitepaper)
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="a10g",
+        display="NVIDIA A10G",
+        aliases=("nvidia-a10g",),
+        device_names=("NVIDIA A10G",),
+        compute_capability=(8, 6),
+        # AWS's variant of the A10 (GA102, 80 SMs), without an NVIDIA datasheet: memory and
+        # bandwidth as AWS documents its G5 instances; NVIDIA publishes no tensor-core rate for
+        # it (the A10's does not apply: another SM count and clock), so none is assumed.
+        sms=80,
+        smem_per_block=_SMEM_SM86_BLOCK,
+        smem_per_sm=_SMEM_SM86_SM,
+        memory_gb=24.0,
+        bandwidth_gbs=600.0,
+        peak_fp16_tflops=None,
+        peak_bf16_tflops=None,
+        l2_bytes=6 * _MIB,  # GA102's L2 (GA102 whitepaper)
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="rtx-6000-ada",
+        display="NVIDIA RTX 6000 Ada Generation",
+        aliases=("6000-ada", "rtx-6000-ada-generation"),
+        device_names=("NVIDIA RTX 6000 Ada Generation",),
+        compute_capability=(8, 9),
+        sms=142,
+        smem_per_block=_SMEM_SM86_BLOCK,
+        smem_per_sm=_SMEM_SM86_SM,
+        memory_gb=48.0,
+        bandwidth_gbs=960.0,
+        # Ada whitepaper: 364.2 FP16/BF16 and 728.5 FP8 dense (the datasheet's 1457 TFLOPS is
+        # FP8 with sparsity); a professional card, FP32 accumulation at the full rate.
+        peak_fp16_tflops=364.2,
+        peak_bf16_tflops=364.2,
+        fp8_tensor_cores=True,
+        peak_fp8_tflops=728.5,
+        l2_bytes=96 * _MIB,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="h100-nvl",
+        display="NVIDIA H100 NVL 94GB",
+        aliases=("h100-nvl-94gb",),
+        device_names=("NVIDIA H100 NVL",),
+        compute_capability=(9, 0),
+        sms=132,
+        smem_per_block=_SMEM_SM90_BLOCK,
+        smem_per_sm=_SMEM_SM90_SM,
+        memory_gb=94.0,
+        bandwidth_gbs=3900.0,
+        # Per card, the datasheet's 1671 (FP16/BF16) and 3341 (FP8) TFLOPS with sparsity, halved
+        # (early material quoted the rates of a pair of cards).
+        peak_fp16_tflops=835.5,
+        peak_bf16_tflops=835.5,
+        fp8_tensor_cores=True,
+        peak_fp8_tflops=1670.5,
+        l2_bytes=None,  # not published
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="h800",
+        display="NVIDIA H800 SXM5 80GB",
+        aliases=("h800-sxm", "h800-sxm5", "h800-80gb"),
+        device_names=("NVIDIA H800",),
+        compute_capability=(9, 0),
+        # The H100 SXM5 with fewer NVLink links and a lower FP64 rate: its SMs, memory and
+        # tensor-core rates.
+        sms=132,
+        smem_per_block=_SMEM_SM90_BLOCK,
+        smem_per_sm=_SMEM_SM90_SM,
+        memory_gb=80.0,
+        bandwidth_gbs=3350.0,
+        peak_fp16_tflops=989.0,
+        peak_bf16_tflops=989.0,
+        fp8_tensor_cores=True,
+        peak_fp8_tflops=1979.0,
+        l2_bytes=50 * _MIB,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="h20",
+        display="NVIDIA H20 96GB",
+        aliases=("h20-96gb", "nvidia-h20"),
+        device_names=("NVIDIA H20",),
+        compute_capability=(9, 0),
+        # No public NVIDIA datasheet: memory, bandwidth and the dense rates (148 FP16/BF16, 296
+        # FP8) are those NVIDIA's partners publish; the SM count and L2 are not published
+        # (78 SMs as the device reports them, 60 MB as its vendors list it).
+        sms=78,
+        smem_per_block=_SMEM_SM90_BLOCK,
+        smem_per_sm=_SMEM_SM90_SM,
+        memory_gb=96.0,
+        bandwidth_gbs=4000.0,
+        peak_fp16_tflops=148.0,
+        peak_bf16_tflops=148.0,
+        fp8_tensor_cores=True,
+        peak_fp8_tflops=296.0,
+        l2_bytes=60 * _MIB,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="gh200",
+        display="NVIDIA GH200 Grace Hopper (96GB HBM3)",
+        aliases=("gh200-96gb", "gh200-480gb", "grace-hopper"),
+        device_names=("NVIDIA GH200 480GB",),
+        compute_capability=(9, 0),
+        # The superchip's Hopper GPU (480GB names the Grace CPU's LPDDR5X). The datasheet gives
+        # memory, bandwidth and rates, not the SM count (132, as the device reports it) nor the
+        # L2 (not published).
+        sms=132,
+        smem_per_block=_SMEM_SM90_BLOCK,
+        smem_per_sm=_SMEM_SM90_SM,
+        memory_gb=96.0,
+        bandwidth_gbs=4000.0,
+        peak_fp16_tflops=989.0,
+        peak_bf16_tflops=989.0,
+        fp8_tensor_cores=True,
+        peak_fp8_tflops=1979.0,
+        l2_bytes=None,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="gh200-144gb",
+        display="NVIDIA GH200 Grace Hopper (144GB HBM3e)",
+        aliases=("gh200-hbm3e",),
+        device_names=("NVIDIA GH200 144G HBM3e",),
+        compute_capability=(9, 0),
+        # The GH200 with HBM3e memory: as the gh200 entry but for memory and bandwidth.
+        sms=132,
+        smem_per_block=_SMEM_SM90_BLOCK,
+        smem_per_sm=_SMEM_SM90_SM,
+        memory_gb=144.0,
+        bandwidth_gbs=4900.0,
+        peak_fp16_tflops=989.0,
+        peak_bf16_tflops=989.0,
+        fp8_tensor_cores=True,
+        peak_fp8_tflops=1979.0,
+        l2_bytes=None,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="b200",
+        display="NVIDIA B200 180GB",
+        aliases=("b200-180gb", "hgx-b200"),
+        device_names=("NVIDIA B200",),
+        compute_capability=(10, 0),
+        # HGX B200 datasheet (per GPU): 180 GB at 7.7 TB/s, 2.25 PFLOPS FP16/BF16 and 4.5 FP8
+        # dense. The SM count is not published (148, as the device reports it); the L2 is the
+        # Blackwell tuning guide's. Shared memory: compute capability 10.0, as 9.0.
+        sms=148,
+        smem_per_block=_SMEM_SM90_BLOCK,
+        smem_per_sm=_SMEM_SM90_SM,
+        memory_gb=180.0,
+        bandwidth_gbs=7700.0,
+        peak_fp16_tflops=2250.0,
+        peak_bf16_tflops=2250.0,
+        fp8_tensor_cores=True,
+        peak_fp8_tflops=4500.0,
+        l2_bytes=126 * _MIB,
+        **_COMMON,
+    ),
+    GpuSpec(
+        name="rtx-5090",
+        display="NVIDIA GeForce RTX 5090",
+        aliases=("5090", "rtx5090", "geforce-rtx-5090"),
+        device_names=("NVIDIA GeForce RTX 5090",),
+        compute_capability=(12, 0),
+        sms=170,
+        # Compute capability 12.0: 99 KB per block of a 100 KB carveout (as sm_86 and sm_89).
+        smem_per_block=_SMEM_SM86_BLOCK,
+        smem_per_sm=_SMEM_SM86_SM,
+        memory_gb=32.0,
+        bandwidth_gbs=1792.0,
+        # RTX Blackwell whitepaper, FP32 accumulation (half the FP16-accumulate 419 and 838).
+        peak_fp16_tflops=209.5,
+        peak_bf16_tflops=209.5,
+        fp8_tensor_cores=True,
+        peak_fp8_tflops=419.0,
+        l2_bytes=96 * _MIB,
         **_COMMON,
     ),
 )
@@ -297,23 +510,38 @@ def _tokens(text: str) -> list[str]:
 
 
 # Tokens that mark a different product sharing a model number (e.g. "RTX 3090 Ti",
-# "RTX 4090 D", "RTX 4090 Laptop GPU", "L40S").
+# "RTX 4090 D", "RTX 4090 Laptop GPU").
 _VARIANT_TOKENS = frozenset({"ti", "super", "d", "laptop", "mobile", "maxq", "max", "q"})
 
 
 def _fallback(tokens: list[str]) -> GpuSpec | None:
     toks = set(tokens)
+    if "gh200" in toks:  # "NVIDIA GH200 480GB", "NVIDIA GH200 144G HBM3e"
+        hbm3e = "hbm3e" in toks or any(t.startswith("144g") for t in toks)
+        return _BY_NAME["gh200-144gb" if hbm3e else "gh200"]
     if "h200" in toks:  # "NVIDIA H200", "NVIDIA H200 NVL"
         return _BY_NAME["h200"]
     if "h100" in toks:  # "NVIDIA H100", "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"
+        if "nvl" in toks:
+            return _BY_NAME["h100-nvl"]
         return _BY_NAME["h100-pcie" if toks & {"pcie", "pci"} else "h100-sxm"]
+    if "h800" in toks:  # the SXM5 module; the PCIe card has other limits
+        return None if toks & {"pcie", "pci"} else _BY_NAME["h800"]
+    if "b200" in toks:
+        return _BY_NAME["b200"]
     if "a100" in toks or any(t.startswith("a100") for t in toks):
         return _BY_NAME["a100-40gb" if any("40gb" in t for t in toks) else "a100-80gb"]
     if "l4" in toks:
         return _BY_NAME["l4"]
+    if "l40s" in toks:
+        return _BY_NAME["l40s"]
+    if "a10g" in toks:
+        return _BY_NAME["a10g"]
+    if {"6000", "ada"} <= toks:  # not the Turing "Quadro RTX 6000" nor the Ampere "RTX A6000"
+        return _BY_NAME["rtx-6000-ada"]
     if toks & _VARIANT_TOKENS:
         return None
-    for number in ("3090", "4090"):
+    for number in ("3090", "4090", "5090"):
         if number in toks or f"rtx{number}" in toks:
             return _BY_NAME[f"rtx-{number}"]
     return None
@@ -353,6 +581,7 @@ def spec_from_device(index: int) -> GpuSpec:
         smem_block = _triton_max_shared_mem(index) or _DEFAULT_SMEM_PER_BLOCK
     smem_sm = getattr(props, "shared_memory_per_multiprocessor", None) or smem_block
     regs = getattr(props, "regs_per_multiprocessor", None) or 65536
+    l2 = getattr(props, "L2_cache_size", None)
     return GpuSpec(
         name=_slugify(torch_name) or f"cuda-{index}",
         display=torch_name,
@@ -371,6 +600,7 @@ def spec_from_device(index: int) -> GpuSpec:
         peak_bf16_tflops=None,
         known=False,
         fp8_tensor_cores=(int(props.major), int(props.minor)) >= (8, 9),
+        l2_bytes=int(l2) if l2 else None,
     )
 
 
@@ -513,6 +743,7 @@ def _row(spec: GpuSpec, visible: str) -> dict[str, object]:
         "cc": f"{major}.{minor}",
         "sms": str(spec.sms),
         "smem_kb": _num(spec.smem_per_block / _KIB),
+        "l2_mb": _num(None if spec.l2_bytes is None else spec.l2_bytes / _MIB),
         "regs": str(spec.regs_per_block),
         "bandwidth_gbs": _num(spec.bandwidth_gbs),
         "fp16_tflops": _num(spec.peak_fp16_tflops),

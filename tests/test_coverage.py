@@ -3,6 +3,7 @@ coverage` over the points of a patched model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -155,6 +156,33 @@ def test_qkv_carries_only_between_equal_head_widths(tmp_path: Path, fresh_tables
     assert source(dims(4096, 128, interleaved=1)) == "default"
 
 
+def test_a_config_is_not_carried_where_its_row_takes_another_structure(
+        tmp_path: Path, fresh_tables: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 4096-wide block tuned where it holds the whole row (one pass) would walk a 5120-wide
+    # row in two passes: not the structure that won, so not carried; to narrower rows it
+    # still holds them whole (made canonical: the block shrinks to the row).
+    monkeypatch.setattr(runtime, "_shipped", runtime.Tables())  # this table's entries only
+    cfg = {"BLOCK_D": 4096, "ROWS": 1, "num_warps": 8, "num_stages": 1}
+    entry = {"dims": {"dim": 4096}, "dtype": "bfloat16", "batch": 4096, "seq": 1,
+             "config": cfg}
+    fusetune.load_tables(table(tmp_path, [entry], "rmsnorm"))
+
+    def resolve(dim: int) -> Any:
+        return fusetune.resolve("rmsnorm", {"dim": dim}, "bfloat16", rows=4096, gpu="h100",
+                                warn=False)
+
+    assert resolve(4096).source == "exact"
+    assert resolve(5120).source == "default"
+    near = resolve(3072)
+    assert (near.source, near.config["BLOCK_D"]) == ("nearby", 4096)
+    assert resolve(2048).config["BLOCK_D"] == 2048
+    # a two-pass config lends itself to a width it also walks in passes
+    two = {**cfg, "BLOCK_D": 2048, "num_stages": 2}
+    fusetune.load_tables(table(tmp_path, [{**entry, "config": two}], "rmsnorm"))
+    assert resolve(5120).source == "nearby"
+    assert resolve(2048).source == "default"  # one pass there
+
+
 def test_rmsnorm_bwd_lends_no_config_to_other_widths(tmp_path: Path, fresh_tables: None,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # Its configs are fitted to the width and the bytes moved: an entry at 2048 columns serves
@@ -226,6 +254,90 @@ def test_export_writes_the_spread_and_marks_marginal_wins(tmp_path: Path) -> Non
     assert by_dim[128]["marginal"] is False
     assert (by_dim[128]["p20_us"], by_dim[128]["p80_us"]) == (9.5, 10.5)
     assert (by_dim[128]["default_p20_us"], by_dim[128]["default_p80_us"]) == (19.5, 20.5)
+
+
+def test_exported_time_lies_within_its_p20_p80(tmp_path: Path) -> None:
+    # The winner's re-timed median (what picked it) may fall outside the spread of its stored
+    # timing: the entry's time_us, p20_us and p80_us are all three of that stored timing, and
+    # so are the default's.
+    from fusetune.db.store import PointKey, Store
+    from fusetune.export import build_tables
+    from fusetune.tuner.space import config_key
+
+    store = Store(f"sqlite:///{tmp_path}/ft.db")
+    default = {"BLOCK_D": 64, "ROWS": 1, "num_warps": 4, "num_stages": 1}
+    won = {**default, "num_warps": 8}
+    untimed = {**default, "num_warps": 16}  # a winner the database holds no timing of
+    for dim, winner in ((64, won), (128, untimed)):
+        pid = store.point_id(PointKey("h100-sxm", "rmsnorm", {"dim": dim}, 1, 1, "float16", "",
+                                      "cuda", "k", "3.6.0", "2.11"))
+        for c, (p20, p50, p80) in ((won, (5.5, 6.0, 6.5)), (default, (9.0, 10.0, 11.0))):
+            store.record(pid, config_key(c), c, "ok", time_us=p50, p20_us=p20, p80_us=p80)
+        store.set_winner(pid, winner, 5.0, default, 11.5, 1, 1, 2)  # re-timed medians
+    by_dim = {e["dims"]["dim"]: e for e in build_tables(store)["gpus"]["h100-sxm"]["rmsnorm"]}
+    e = by_dim[64]
+    assert e["p20_us"] <= e["time_us"] <= e["p80_us"], e
+    assert e["default_p20_us"] <= e["default_us"] <= e["default_p80_us"], e
+    assert (e["p20_us"], e["time_us"], e["p80_us"]) == (5.5, 6.0, 6.5)
+    assert (e["default_p20_us"], e["default_us"], e["default_p80_us"]) == (9.0, 10.0, 11.0)
+    assert e["marginal"] is False  # 4 µs apart, each spread at most 2 µs: the same figures
+    e = by_dim[128]  # no stored timing of the winner: its re-timed median, and no spread
+    assert e["time_us"] == 5.0 and "p20_us" not in e and "p80_us" not in e, e
+    assert (e["default_p20_us"], e["default_us"], e["default_p80_us"]) == (9.0, 10.0, 11.0)
+    # A stored timing without its percentiles (a database of an older fusetune): the re-timed
+    # medians, and no spread to judge a marginal win by.
+    pid = store.point_id(PointKey("h100-sxm", "rmsnorm", {"dim": 256}, 1, 1, "float16", "",
+                                  "cuda", "k", "3.6.0", "2.11"))
+    for c, us in ((won, 6.0), (default, 10.0)):
+        store.record(pid, config_key(c), c, "ok", time_us=us)
+    store.set_winner(pid, won, 5.0, default, 11.5, 1, 1, 2)
+    (e,) = [e for e in build_tables(store)["gpus"]["h100-sxm"]["rmsnorm"]
+            if e["dims"]["dim"] == 256]
+    assert (e["time_us"], e["default_us"]) == (5.0, 11.5), e
+    assert not {"p20_us", "p80_us", "default_p20_us", "default_p80_us", "marginal"} & set(e), e
+
+
+def test_coverage_says_how_to_tune_the_default_points(tmp_path: Path, fresh_tables: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Points the lookup answers with the default heuristic: the command that tunes them, with
+    # coverage's own model, GPU, rows and numerics, and one that `search` takes.
+    monkeypatch.setattr(runtime, "_shipped", runtime.Tables())  # no table at all
+    args = ["coverage", "--model", "tiny", "--gpu", "rtx-5090", "--rows", "1,16", "--dtype",
+            "float16", "--weights", "fp8-e4m3"]
+    r = CliRunner().invoke(cli.main, args)
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert re.fullmatch(r"0 exact; 0 rows; 0 nearby; (\d+) default", lines[-2]), lines[-2]
+    n = int(lines[-2].split("; ")[-1].split()[0])
+    command = ("fusetune search --kernel all --model tiny --gpu rtx-5090 --rows 1,16 --dtype "
+               "float16 --weights fp8-e4m3")
+    assert lines[-1] == (f"The {n} default points have no tuned config on rtx-5090: tune them "
+                         f"with `{command}`, then `fusetune export TABLE` and read it with "
+                         "--tables (or FUSETUNE_TABLES)."), lines[-1]
+    planned = CliRunner().invoke(cli.main, [*command.split()[1:], "--dry-run"])
+    assert planned.exit_code == 0, planned.output
+    assert planned.output.count("Plan for ") == n // 2  # a plan per kernel and dims, 2 rows each
+    training = CliRunner().invoke(cli.main, ["coverage", "--model", "tiny", "--gpu", "l40s",
+                                             "--training", "--rows", "4096"])
+    assert training.exit_code == 0, training.output
+    assert ("`fusetune search --kernel training --model tiny --gpu l40s --rows 4096`"
+            in training.output), training.output
+    # Every point tuned: nothing to say.
+    from fusetune import coverage as coverage_module
+
+    real = coverage_module.coverage
+
+    def tuned(*a: Any, **k: Any) -> list[coverage_module.CoverageRow]:
+        return [dataclasses.replace(row, source="exact", tuned_rows=row.rows)
+                for row in real(*a, **k)]
+
+    monkeypatch.setattr(coverage_module, "coverage", tuned)
+    covered = CliRunner().invoke(cli.main, args)
+    assert covered.exit_code == 0, covered.output
+    assert covered.output.strip().splitlines()[-1] == f"{n} exact; 0 rows; 0 nearby; 0 default"
+    assert "fusetune search" not in covered.output
+    as_json = CliRunner().invoke(cli.main, [*args, "--json"])
+    assert as_json.exit_code == 0 and json.loads(as_json.output), as_json.output
 
 
 def test_coverage_names_each_points_source(tmp_path: Path, fresh_tables: None) -> None:

@@ -34,6 +34,16 @@ CANONICAL = (
     "h100-sxm",
     "h100-pcie",
     "h200",
+    "l40s",
+    "a10g",
+    "rtx-6000-ada",
+    "h100-nvl",
+    "h800",
+    "h20",
+    "gh200",
+    "gh200-144gb",
+    "b200",
+    "rtx-5090",
 )
 
 
@@ -43,7 +53,7 @@ def _visible(index: int, torch_name: str) -> VisibleGpu:
     return VisibleGpu(index=index, torch_name=torch_name, spec=spec)
 
 
-def test_catalogue_names_are_the_eight_supported_gpus() -> None:
+def test_catalogue_names_are_the_supported_gpus() -> None:
     assert tuple(spec.name for spec in CATALOGUE) == CANONICAL
     assert all(isinstance(spec, GpuSpec) and spec.known for spec in CATALOGUE)
 
@@ -71,6 +81,28 @@ def test_resolve_every_canonical_name(name: str) -> None:
         ("h200", "h200"),
         ("NVIDIA H100 80GB HBM3", "h100-sxm"),
         ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+        ("L40S", "l40s"),
+        ("nvidia-l40s", "l40s"),
+        ("A10G", "a10g"),
+        ("nvidia_a10g", "a10g"),
+        ("RTX 6000 Ada", "rtx-6000-ada"),
+        ("6000-ada", "rtx-6000-ada"),
+        ("rtx-6000-ada-generation", "rtx-6000-ada"),
+        ("H100 NVL", "h100-nvl"),
+        ("h100-nvl-94gb", "h100-nvl"),
+        ("H800", "h800"),
+        ("h800-sxm5", "h800"),
+        ("H20", "h20"),
+        ("h20-96gb", "h20"),
+        ("GH200", "gh200"),
+        ("gh200-480gb", "gh200"),
+        ("grace hopper", "gh200"),
+        ("gh200-hbm3e", "gh200-144gb"),
+        ("B200", "b200"),
+        ("hgx-b200", "b200"),
+        ("5090", "rtx-5090"),
+        ("RTX 5090", "rtx-5090"),
+        ("geforce-rtx-5090", "rtx-5090"),
     ],
 )
 def test_resolve_aliases_and_device_names(alias: str, expected: str) -> None:
@@ -87,7 +119,7 @@ def test_resolve_interpreter(name: str) -> None:
     assert spec.bandwidth_gbs is None and spec.peak_fp16_tflops is None
 
 
-@pytest.mark.parametrize("bad", ["rtx-9999", "v100", "", "h300"])
+@pytest.mark.parametrize("bad", ["rtx-9999", "v100", "", "h300", "l40", "a10", "b100", "h2"])
 def test_resolve_unknown_lists_valid_names(bad: str) -> None:
     with pytest.raises(UnknownGpuError) as info:
         resolve(bad)
@@ -114,6 +146,16 @@ def test_resolve_unknown_lists_valid_names(bad: str) -> None:
         ("NVIDIA H100 PCIe", "h100-pcie"),
         ("NVIDIA H200", "h200"),
         ("NVIDIA H200 NVL", "h200"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA A10G", "a10g"),
+        ("NVIDIA RTX 6000 Ada Generation", "rtx-6000-ada"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA H800", "h800"),
+        ("NVIDIA H20", "h20"),
+        ("NVIDIA GH200 480GB", "gh200"),
+        ("NVIDIA GH200 144G HBM3e", "gh200-144gb"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA GeForce RTX 5090", "rtx-5090"),
     ],
 )
 def test_match_device_name_known(torch_name: str, expected: str) -> None:
@@ -128,9 +170,15 @@ def test_match_device_name_known(torch_name: str, expected: str) -> None:
         "Tesla V100-SXM2-16GB",
         "NVIDIA GeForce RTX 3090 Ti",
         "NVIDIA GeForce RTX 4090 Laptop GPU",
-        "NVIDIA L40S",
         "NVIDIA L40",
-        "NVIDIA GH200 480GB",
+        "NVIDIA A10",
+        "NVIDIA A40",
+        "Quadro RTX 6000",
+        "NVIDIA RTX A6000",
+        "NVIDIA H800 PCIe",
+        "NVIDIA GB200",
+        "NVIDIA GeForce RTX 5090 D",
+        "NVIDIA GeForce RTX 5090 Laptop GPU",
         "",
     ],
 )
@@ -170,6 +218,66 @@ def test_datasheet_numbers() -> None:
         assert spec.regs_per_thread == 255
         assert spec.max_threads_per_block == 1024
         assert spec.smem_per_sm - spec.smem_per_block == 1024
+
+
+def test_datasheet_numbers_of_the_added_gpus() -> None:
+    mib = 1024**2
+    expected = {  # sms, cc, memory GB, GB/s, fp16 = bf16 TFLOP/s, fp8 TFLOP/s, L2 bytes
+        "l40s": (142, (8, 9), 48, 864, 362.05, 733, 96 * mib),
+        "a10g": (80, (8, 6), 24, 600, None, None, 6 * mib),
+        "rtx-6000-ada": (142, (8, 9), 48, 960, 364.2, 728.5, 96 * mib),
+        "h100-nvl": (132, (9, 0), 94, 3900, 835.5, 1670.5, None),
+        "h800": (132, (9, 0), 80, 3350, 989, 1979, 50 * mib),
+        "h20": (78, (9, 0), 96, 4000, 148, 296, 60 * mib),
+        "gh200": (132, (9, 0), 96, 4000, 989, 1979, None),
+        "gh200-144gb": (132, (9, 0), 144, 4900, 989, 1979, None),
+        "b200": (148, (10, 0), 180, 7700, 2250, 4500, 126 * mib),
+        "rtx-5090": (170, (12, 0), 32, 1792, 209.5, 419, 96 * mib),
+    }
+    for name, (sms, cc, memory, bandwidth, fp16, fp8, l2) in expected.items():
+        spec = resolve(name)
+        assert (spec.sms, spec.compute_capability, spec.memory_gb, spec.bandwidth_gbs) == (
+            sms, cc, memory, bandwidth), name
+        assert spec.peak_fp16_tflops == spec.peak_bf16_tflops == fp16, name
+        assert spec.peak_fp8_tflops == fp8 and spec.fp8_tensor_cores is (fp8 is not None), name
+        assert spec.l2_bytes == l2, name
+    assert resolve("h200").l2_bytes == 60 * mib  # what an H200 reports; the H100 has 50 MB
+    assert resolve("b200").peak_tflops("bfloat16", "fp8") == 4500
+    assert resolve("a10g").peak_tflops("float16") is None  # unpublished: no floor from it
+
+
+# Shared memory per block (opt-in) and per SM by compute capability, from the CUDA C++
+# Programming Guide: the limits a GPU of that capability has, whatever the product.
+SMEM_BY_CC = {(8, 0): (163, 164), (8, 6): (99, 100), (8, 9): (99, 100), (9, 0): (227, 228),
+              (10, 0): (227, 228), (12, 0): (99, 100)}
+
+
+@pytest.mark.parametrize("spec", CATALOGUE, ids=lambda s: s.name)
+def test_limits_plausible_for_compute_capability(spec: GpuSpec) -> None:
+    block_kb, sm_kb = SMEM_BY_CC[spec.compute_capability]
+    assert (spec.smem_per_block, spec.smem_per_sm) == (block_kb * 1024, sm_kb * 1024)
+    assert (spec.regs_per_block, spec.regs_per_thread, spec.max_threads_per_block) == (
+        65536, 255, 1024)
+    # FP8 tensor cores from compute capability 8.9 on, twice the 16-bit rate where both are
+    # published; TMA from 9.0 on.
+    assert spec.fp8_tensor_cores is (spec.compute_capability >= (8, 9))
+    if spec.peak_fp8_tflops is not None and spec.peak_fp16_tflops is not None:
+        assert spec.peak_fp8_tflops == pytest.approx(2 * spec.peak_fp16_tflops, rel=0.02)
+    assert spec.tma is (spec.compute_capability >= (9, 0))
+    assert 40 <= spec.sms <= 200
+    assert spec.memory_gb is not None and 16 <= spec.memory_gb <= 200
+    assert spec.bandwidth_gbs is not None and 250 <= spec.bandwidth_gbs <= 8000
+    # The dense 16-bit rate per SM lies between a GeForce Ampere's (about 0.9 TFLOP/s) and a
+    # B200's (about 15): a digit too many or too few shows.
+    if spec.peak_fp16_tflops is not None:
+        assert 0.5 <= spec.peak_fp16_tflops / spec.sms <= 16
+    if spec.l2_bytes is not None:
+        assert 4 * 1024**2 <= spec.l2_bytes <= 128 * 1024**2
+    assert spec.known and resolve(spec.name) is spec
+    for label in (*spec.aliases, *spec.device_names):
+        assert resolve(label) is spec, label
+    for device in spec.device_names:
+        assert match_device_name(device) is spec, device
 
 
 def test_visible_gpus_empty_without_cuda() -> None:
@@ -213,11 +321,11 @@ def test_select_device_picks_matching_index(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_select_device_unknown_visible_by_slug(monkeypatch: pytest.MonkeyPatch) -> None:
-    odd = dataclasses.replace(INTERPRETER, name="nvidia-l40s", display="NVIDIA L40S", known=False)
-    seen = [VisibleGpu(index=0, torch_name="NVIDIA L40S", spec=odd)]
+    odd = dataclasses.replace(INTERPRETER, name="nvidia-a40", display="NVIDIA A40", known=False)
+    seen = [VisibleGpu(index=0, torch_name="NVIDIA A40", spec=odd)]
     monkeypatch.setattr(gpus, "visible_gpus", lambda: seen)
-    assert select_device("nvidia-l40s").index == 0
-    assert select_device("NVIDIA L40S").index == 0
+    assert select_device("nvidia-a40").index == 0
+    assert select_device("NVIDIA A40").index == 0
 
 
 def test_current_gpu_uses_visible(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -250,23 +358,23 @@ def test_format_catalogue_marks_visible() -> None:
 def test_format_catalogue_unknown_visible_gets_own_row() -> None:
     odd = dataclasses.replace(
         INTERPRETER,
-        name="nvidia-l40s",
-        display="NVIDIA L40S",
-        compute_capability=(8, 9),
+        name="nvidia-a40",
+        display="NVIDIA A40",
+        compute_capability=(8, 6),
         known=False,
     )
     seen = [
-        VisibleGpu(index=0, torch_name="NVIDIA L40S", spec=odd),
+        VisibleGpu(index=0, torch_name="NVIDIA A40", spec=odd),
         _visible(1, "NVIDIA H100 80GB HBM3"),
         _visible(2, "NVIDIA H100 80GB HBM3"),
     ]
     rows = format_catalogue(seen)
     assert len(rows) == len(CATALOGUE) + 1
     last = rows[-1]
-    assert last["name"] == "nvidia-l40s"
+    assert last["name"] == "nvidia-a40"
     assert last["known"] is False
     assert last["visible"] == "cuda:0"
-    assert last["cc"] == "8.9"
+    assert last["cc"] == "8.6"
     assert last["bandwidth_gbs"] == "?"
     by_name = {row["name"]: row for row in rows}
     assert by_name["h100-sxm"]["visible"] == "cuda:1,cuda:2"
@@ -286,24 +394,26 @@ def _fake_torch(props: object, name: str) -> types.ModuleType:
 
 def test_spec_from_device_with_fake_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     props = types.SimpleNamespace(
-        name="NVIDIA L40S",
+        name="NVIDIA A40",
         major=8,
-        minor=9,
-        multi_processor_count=142,
+        minor=6,
+        multi_processor_count=84,
         total_memory=48 * 1024**3,
         shared_memory_per_block_optin=101376,
         shared_memory_per_multiprocessor=102400,
         regs_per_multiprocessor=65536,
+        L2_cache_size=6 * 1024**2,
     )
-    monkeypatch.setitem(sys.modules, "torch", _fake_torch(props, "NVIDIA L40S"))
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(props, "NVIDIA A40"))
     spec = spec_from_device(0)
-    assert spec.name == "nvidia-l40s"
+    assert spec.name == "nvidia-a40"
     assert spec.known is False
-    assert spec.compute_capability == (8, 9)
-    assert spec.sms == 142
+    assert spec.compute_capability == (8, 6)
+    assert spec.sms == 84
     assert spec.smem_per_block == 101376
     assert spec.smem_per_sm == 102400
     assert spec.memory_gb == 48.0
+    assert spec.l2_bytes == 6 * 1024**2
     assert spec.bandwidth_gbs is None and spec.peak_bf16_tflops is None
     (gpu,) = visible_gpus()
     assert gpu.index == 0 and gpu.spec == spec
@@ -319,6 +429,7 @@ def test_spec_from_device_smem_fallback(monkeypatch: pytest.MonkeyPatch) -> None
     assert spec.smem_per_block == 49152
     assert spec.regs_per_block == 65536
     assert spec.name == "some-gpu"
+    assert spec.l2_bytes is None
 
 
 def test_visible_gpus_known_device_uses_catalogue(monkeypatch: pytest.MonkeyPatch) -> None:

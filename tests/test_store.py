@@ -204,17 +204,17 @@ def test_export_of_gpus_outside_the_catalogue_loads_back(db_url: str, tmp_path: 
     # slugs; the exported table lists those GPUs, so that it loads back (and updates) whatever
     # the names look like.
     store = Store(db_url)
-    for gpu, c in (("orin", CFG_A), ("nvidia-l40s", CFG_B), ("h100-sxm", CFG_C)):
+    for gpu, c in (("orin", CFG_A), ("nvidia-a40", CFG_B), ("h100-sxm", CFG_C)):
         store.set_winner(store.point_id(key(gpu=gpu)), c, 3.0, CFG_A, 4.0, 100, 50, 1)
     document = export.build_tables(store)
-    assert document["provenance"]["uncatalogued_gpus"] == ["nvidia-l40s", "orin"]
+    assert document["provenance"]["uncatalogued_gpus"] == ["nvidia-a40", "orin"]
     out = tmp_path / "tables.yaml"
     assert export.write_tables(document, out) == 3
-    assert {k[0] for k in tables.load_tables(out).groups} == {"orin", "nvidia-l40s", "h100-sxm"}
+    assert {k[0] for k in tables.load_tables(out).groups} == {"orin", "nvidia-a40", "h100-sxm"}
     updated, done = export.update_tables(out.read_text(), str(out),
                                          export.build_tables(store, gpu="h100-sxm"))
     assert (done.replaced, done.kept) == (1, 2)
-    assert updated["provenance"]["uncatalogued_gpus"] == ["nvidia-l40s", "orin"]
+    assert updated["provenance"]["uncatalogued_gpus"] == ["nvidia-a40", "orin"]
     assert export.write_tables(updated, out) == 3
 
 

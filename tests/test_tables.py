@@ -397,18 +397,24 @@ def test_other_dtype_uses_default(tmp_path: Path) -> None:
 
 
 def test_near_dims_carry_over_far_dims_use_default(tmp_path: Path) -> None:
+    wide = cfg(block_d=128, warps=8, rows=4)
     fusetune.load_tables(write(tmp_path / "t.yaml", doc({"h100-sxm": [
-        entry(16, 1, CFG_C, dtype="float32")]})))
-    # Twice the width: the entry's config, made canonical for the point, without a warning.
+        entry(16, 1, wide, dtype="float32", dim=128)]})))
+    # Half the width: the entry's config, made canonical for the point, without a warning.
     with warnings.catch_warnings():
         warnings.simplefilter("error", fusetune.FusetuneWarning)
-        got = fusetune.lookup("rmsnorm", {"dim": 128}, "float32", rows=16, gpu="h100")
-    point = Point.make("rmsnorm", {"dim": 128}, 16, 1, "float32")
-    assert got == SPEC.canonical(CFG_C, point)
-    # 64 times the width: too far to be a better guess than the default heuristic.
+        got = fusetune.lookup("rmsnorm", {"dim": 64}, "float32", rows=16, gpu="h100")
+    point = Point.make("rmsnorm", {"dim": 64}, 16, 1, "float32")
+    assert got == SPEC.canonical(wide, point)
+    # 32 times narrower: too far to be a better guess than the default heuristic.
     with pytest.warns(fusetune.FusetuneWarning):
-        got = fusetune.lookup("rmsnorm", {"dim": 4096}, "float32", rows=16, gpu="h100")
-    assert got == default_for(16, dtype="float32", dim=4096)
+        got = fusetune.lookup("rmsnorm", {"dim": 4}, "float32", rows=16, gpu="h100")
+    assert got == default_for(16, dtype="float32", dim=4)
+    # Twice the width: near, but its block would walk the row in two passes, not hold it
+    # whole as where it won (tests/test_coverage.py has that rule).
+    with pytest.warns(fusetune.FusetuneWarning):
+        got = fusetune.lookup("rmsnorm", {"dim": 256}, "float32", rows=16, gpu="h100")
+    assert got == default_for(16, dtype="float32", dim=256)
 
 
 def test_env_var_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -591,14 +597,24 @@ def test_gpu_aliases_in_tables_resolve_to_canonical_names(tmp_path: Path) -> Non
     # outside the catalogue (a device-name slug) stays as written.
     path = write(tmp_path / "t.yaml", doc({"h100": [entry(1, 1, CFG_B)],
                                            "RTX 3090": [entry(1, 1, CFG_C)],
-                                           "nvidia-l40s": [entry(1, 1, CFG_I)]}))
+                                           "nvidia-a40": [entry(1, 1, CFG_I)]}))
     t = fusetune.load_tables(path)
-    assert {k[0] for k in t.groups} == {"h100-sxm", "rtx-3090", "nvidia-l40s"}
+    assert {k[0] for k in t.groups} == {"h100-sxm", "rtx-3090", "nvidia-a40"}
     assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="h100-sxm") == CFG_B
     assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="3090") == CFG_C
 
 
-@pytest.mark.parametrize("key", ["rtx9999", "h100x", "a10", "l40s", "3090-ti"])
+def test_tables_keyed_by_a_device_slug_serve_the_catalogued_gpu(tmp_path: Path) -> None:
+    # A table exported while the catalogue lacked the L40S keys it by its device name's slug;
+    # the GPU now in the catalogue, the entries serve it under its canonical name.
+    path = write(tmp_path / "t.yaml", doc({"nvidia-l40s": [entry(1, 1, CFG_I)]}))
+    t = fusetune.load_tables(path)
+    assert {k[0] for k in t.groups} == {"l40s"}
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="l40s") == CFG_I
+    assert fusetune.lookup("rmsnorm", DIMS, "float16", rows=1, gpu="NVIDIA L40S") == CFG_I
+
+
+@pytest.mark.parametrize("key", ["rtx9999", "h100x", "a10", "l40", "3090-ti"])
 def test_unknown_gpu_key_refused(tmp_path: Path, key: str) -> None:
     # A misspelled GPU would leave every entry under it dead: refused like an unknown field,
     # by the loader and by the first lookup of FUSETUNE_TABLES (which checks no kernel yet).
@@ -617,7 +633,7 @@ def test_unknown_gpu_key_refused(tmp_path: Path, key: str) -> None:
 
 
 @pytest.mark.parametrize(("device_name", "key"), [
-    ("NVIDIA L40S", "nvidia-l40s"), ("NVIDIA RTX A6000", "nvidia-rtx-a6000"),
+    ("NVIDIA A40", "nvidia-a40"), ("NVIDIA RTX A6000", "nvidia-rtx-a6000"),
     ("Tesla T4", "tesla-t4"), ("Tesla V100-SXM2-16GB", "tesla-v100-sxm2-16gb"),
     ("Quadro RTX 8000", "quadro-rtx-8000"), ("NVIDIA GeForce RTX 3080 Ti",
                                              "nvidia-geforce-rtx-3080-ti"),
