@@ -2,6 +2,13 @@
 
 TRITON_INTERPRET must be set before any fusetune.kernels module is imported (triton.jit reads it
 when a kernel is decorated), so it is set here, at conftest import time.
+
+torch runs one thread per process (OMP_NUM_THREADS=1, set here before torch is imported; the
+processes the tests start inherit it; left alone where the environment sets it): pytest-xdist
+runs a process per core already, and each test's worker subprocesses and `fusetune` commands run
+beside it. With torch's default, a thread per core in every process, the cores are
+oversubscribed and OpenMP's spinning threads slow every process down (Optuna's GP sampler 4x on
+two cores). The tests' tensors are tiny: one thread loses nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # see above
+
+import torch  # (after OMP_NUM_THREADS on purpose)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

@@ -16,9 +16,11 @@ import time
 import warnings
 from pathlib import Path
 
+import click
 import pytest
 import sqlalchemy
 import torch
+import yaml
 from cli_helpers import interp_env, invoke
 from rich.console import Console
 from sqlalchemy.exc import OperationalError, ProgrammingError
@@ -149,8 +151,17 @@ def test_gpu_without_dry_run_and_no_gpu(monkeypatch: pytest.MonkeyPatch, interpr
         (["export", "out.yaml", "--gpu", "v100", "--db", "sqlite://"],
          ["unknown GPU 'v100'", "h100-sxm"]),
         (["show", "--gpu", "v100", "--db", "sqlite://"], ["unknown GPU 'v100'", "h100-sxm"]),
+        (["show", "--kernel", "rmsnrom", "--db", "sqlite://"],
+         ["unknown kernel 'rmsnrom'", "valid: ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, "
+          "rope, rope_bwd, swiglu, swiglu_bwd"]),
+        (["export", "out.yaml", "--kernel", "rmsnrom", "--db", "sqlite://"],
+         ["unknown kernel 'rmsnrom'", "valid: ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, "
+          "rope, rope_bwd, swiglu, swiglu_bwd"]),
+        (["search", "--kernel", "rmsnorm", "--gpu", "l40", "--dry-run"],
+         ["unknown GPU 'l40'", "l40s (nvidia-l40s)", "rtx-5090 (5090", "b200"]),
     ],
-    ids=["kernel", "gpu", "dtype", "model", "backend", "export-gpu", "show-gpu"],
+    ids=["kernel", "gpu", "dtype", "model", "backend", "export-gpu", "show-gpu", "show-kernel",
+         "export-kernel", "gpu-lookalike"],
 )
 def test_unknown_choices_named(args: list[str], expected: list[str]) -> None:
     r = invoke(*args)
@@ -180,10 +191,102 @@ def test_empty_list_items_refused(option: str, value: str) -> None:
     assert "empty item" in r.output, r.output
 
 
+@pytest.mark.parametrize(("kernel", "dims", "bad"), [
+    ("rmsnorm", "dim=0", "dim=0 must be a positive integer"),
+    ("rmsnorm", "dim=-64", "dim=-64 must be a positive integer"),
+    ("ffn", "dim=64,hidden=0", "hidden=0 must be a positive integer"),
+    ("rope", "heads=4,head_dim=16,interleaved=2", "interleaved=2 must be 0 or 1"),
+    ("linear", "bias=0,dim=64,out=32,residual=-1", "residual=-1 must be 0 or 1"),
+])
+def test_dims_must_be_positive(kernel: str, dims: str, bad: str) -> None:
+    for command in ("search", "evaluate-search"):
+        r = invoke(command, "--kernel", kernel, "--dims", dims, "--dry-run"
+                   if command == "search" else "--no-grid", "--gpu", "h100")
+        assert r.exit_code == 2, r.output
+        (error,) = [line for line in r.output.splitlines() if line.startswith("Error:")]
+        assert error.startswith(f"Error: Invalid value for '--dims': {dims!r}: {bad} "), error
+        assert "bias, interleaved, residual" in error, error
+        assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+
+
+def test_switch_dims_take_zero() -> None:
+    # The switches (a layout, an epilogue term) are 0 or 1; the plan takes them as given.
+    for kernel, dims in (("rope", "heads=4,head_dim=16,interleaved=0"),
+                         ("linear", "bias=0,dim=64,out=32,residual=0")):
+        r = invoke("search", "--kernel", kernel, "--dims", dims, "--gpu", "h100", "--dry-run",
+                   "--batch", "1", "--seq", "1", "--dtype", "float16")
+        assert r.exit_code == 0, r.output
+        assert f"Plan for {kernel} on h100-sxm" in r.output
+
+
+def test_switch_dims_are_the_only_dims_a_model_sets_below_one() -> None:
+    # What --dims refuses (a size below 1) no model gives a kernel: the dims a model sets to 0
+    # are the switches, and those are 0 or 1.
+    from fusetune.cli_options import FLAG_DIMS
+    from fusetune.models import PRESETS, launched_dims
+
+    seen = set()
+    for model in PRESETS.values():
+        for training in (False, True):
+            for uses in launched_dims(model, training).values():
+                for _, dims in uses:
+                    for name, value in dims.items():
+                        seen.add(name)
+                        assert value >= 1 or name in FLAG_DIMS, (model.name, name, value)
+                        assert name not in FLAG_DIMS or value in (0, 1), (model.name, name)
+    assert set(FLAG_DIMS) <= seen
+
+
+def test_weights_help_names_every_kernel_that_takes_weight_formats() -> None:
+    from fusetune.kernels import REGISTRY
+
+    takes = sorted(name for name, spec in REGISTRY.items() if spec.weight_formats)
+    assert takes == ["ffn", "linear", "lola", "qkv"]
+    for command in (cli.search, cli.evaluate_search):
+        (option,) = [p for p in command.params if p.name == "weights"]
+        named = re.match(r"Weight format \(([^)]*)\)", option.help or "")
+        assert named is not None, option.help
+        assert sorted(named.group(1).split(", ")) == takes, option.help
+
+
+def test_evaluate_search_takes_one_kernel() -> None:
+    # `search` tunes a model's kernels with --kernel all / training; evaluate-search measures
+    # one kernel's points, and its help offers no more.
+    def kernel_help(command: click.Command) -> str:
+        (option,) = [p for p in command.params if p.name == "kernel"]
+        return option.help or ""
+
+    assert "`all`" in kernel_help(cli.search) and "`training`" in kernel_help(cli.search)
+    help_text = kernel_help(cli.evaluate_search)
+    assert "`all`" not in help_text and "`training`" not in help_text, help_text
+    assert "one kernel" in help_text and "fusetune search --kernel all" in help_text
+    names = {p.name for p in cli.evaluate_search.params}
+    assert not names & {"max_batch", "prefill"}, names  # they apply to --kernel all alone
+    assert {"max_batch", "prefill"} <= {p.name for p in cli.search.params}
+    for kernel in ("all", "training"):
+        r = invoke("evaluate-search", "--kernel", kernel, "--no-grid", "--model", "tiny")
+        assert r.exit_code == 2, r.output
+        assert f"Invalid value for '--kernel': '{kernel}'" in r.output, r.output
+        assert "ffn, linear, lola, qkv, rmsnorm" in r.output, r.output
+        assert f"fusetune search --kernel {kernel}" in r.output, r.output
+
+
+@pytest.mark.parametrize(("gpu", "name", "smem"), [
+    ("l40s", "l40s", 101376), ("A10G", "a10g", 101376), ("rtx 6000 ada", "rtx-6000-ada", 101376),
+    ("h100-nvl", "h100-nvl", 232448), ("H800", "h800", 232448), ("h20", "h20", 232448),
+    ("GH200", "gh200", 232448), ("b200", "b200", 232448), ("5090", "rtx-5090", 101376)])
+def test_dry_run_on_the_new_gpus(gpu: str, name: str, smem: int) -> None:
+    r = invoke("search", "--kernel", "rmsnorm", "--gpu", gpu, "--dry-run", "--dim", "4096",
+               "--batch", "1", "--seq", "1", "--dtype", "float16")
+    assert r.exit_code == 0, r.output
+    assert f"Plan for rmsnorm on {name} " in r.output
+    assert f"{smem} B shared memory per block" in r.output
+
+
 def test_gpus_lists_catalogue() -> None:
     r = invoke("gpus")
     assert r.exit_code == 0, r.output
-    for name in ("rtx-3090", "h100-sxm", "h200", "a100-80gb"):
+    for name in ("rtx-3090", "h100-sxm", "h200", "a100-80gb", "l40s", "b200", "rtx-5090"):
         assert re.search(rf"│ {re.escape(name)}\s+│", r.output), name
     if not torch.cuda.is_available():
         assert "No CUDA GPU is visible here" in r.output
@@ -214,6 +317,70 @@ def _one_winner(db: str) -> None:
                                   torch_version="2.11.0"))
     store.set_winner(pid, cfg, 2.0, cfg, 2.0, 10, 10, 1)
     store.engine.dispose()
+
+
+def test_show_and_export_check_the_kernel_name(sqlite_url: str, tmp_path: Path) -> None:
+    from fusetune.db.store import PointKey
+
+    _one_winner(sqlite_url)
+    store = Store(sqlite_url)  # a kernel this version no longer has, still in the database
+    cfg = {"BLOCK": 64, "num_warps": 4}
+    pid = store.point_id(PointKey(gpu="h100-sxm", kernel="retired", dims={"dim": 64}, batch=1,
+                                  seq=1, dtype="float16", weights="", backend="cuda",
+                                  kernel_hash="abc", triton_version="3.6.0",
+                                  torch_version="2.11.0"))
+    store.set_winner(pid, cfg, 2.0, cfg, 2.0, 10, 10, 1)
+    store.engine.dispose()
+    out = tmp_path / "t.yaml"
+    for command in (["show"], ["export", str(out)]):
+        r = invoke(*command, "--db", sqlite_url, "--kernel", "rmsnrom")
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), repr(r.exception)
+        assert ("unknown kernel 'rmsnrom'; valid: ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, "
+                "rope, rope_bwd, swiglu, swiglu_bwd; or one that sqlite:///") in r.output, r.output
+        assert "holds: retired" in r.output and "fusetune search" not in r.output, r.output
+        assert not out.exists()
+    r = invoke("show", "--db", sqlite_url, "--kernel", "retired")
+    assert r.exit_code == 0 and "│ retired" in r.output, r.output
+    r = invoke("show", "--db", sqlite_url, "--kernel", "ffn")  # a kernel, without points
+    assert r.exit_code == 0 and "holds no points matching the filters" in r.output, r.output
+    r = invoke("export", str(out), "--db", sqlite_url, "--kernel", "ffn")
+    assert r.exit_code == 1 and "no winners" in r.output and "fusetune search" in r.output
+    r = invoke("export", str(out), "--db", sqlite_url, "--kernel", "rmsnorm")
+    assert r.exit_code == 0 and "wrote 1 entries for h100-sxm" in r.output, r.output
+
+
+def test_export_into_a_directory_that_takes_no_file_is_one_line(
+        sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A directory that exists and refuses the file is said to be so, not to be missing.
+    _one_winner(sqlite_url)
+    if sys.platform == "linux" and Path("/proc").is_dir():
+        r = invoke("export", "/proc/tables.yaml", "--db", sqlite_url)  # even root writes none
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), repr(r.exception)
+        assert r.output.strip().splitlines() == [
+            "Error: cannot write /proc/tables.yaml: directory '/proc' cannot be written"], r.output
+    real = Path.write_text
+
+    def refuse(error: type[OSError], code: int, why: str) -> None:
+        def write_text(self: Path, *args: object, **kwargs: object) -> int:
+            if self.parent == tmp_path:
+                raise error(code, why, str(self))
+            return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Path, "write_text", write_text)
+
+    out = tmp_path / "t.yaml"
+    for error, code, why, said in (
+            (FileNotFoundError, 2, "No such file or directory", ""),
+            (PermissionError, 13, "Permission denied", " (Permission denied)"),
+            (OSError, 30, "Read-only file system", " (Read-only file system)")):
+        refuse(error, code, why)
+        r = invoke("export", str(out), "--db", sqlite_url)
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), repr(r.exception)
+        assert r.output.strip().splitlines() == [
+            f"Error: cannot write {out}: directory {str(tmp_path)!r} cannot be written{said}"
+        ], r.output
+        assert "does not exist" not in r.output
+    assert not list(tmp_path.glob("t.yaml*"))
 
 
 def test_export_where_it_cannot_write_is_one_line(sqlite_url: str, tmp_path: Path,
@@ -281,6 +448,32 @@ def test_show_and_export_filter_gpus_outside_the_catalogue(sqlite_url: str,
     assert r.exit_code == 1 and "unknown GPU 'rtx9999'" in r.output, r.output
 
 
+def test_show_and_export_find_points_stored_before_the_gpu_was_catalogued(
+        sqlite_url: str, tmp_path: Path) -> None:
+    # A search on an L40S stored its points under the device name's slug while the catalogue
+    # lacked it; --gpu l40s finds them. A GPU still outside the catalogue keeps its slug.
+    from fusetune.db.store import PointKey
+
+    store = Store(sqlite_url)
+    cfg = {"BLOCK_D": 64, "ROWS": 1, "num_warps": 4, "num_stages": 1}
+    for gpu in ("nvidia-l40s", "nvidia-a40"):
+        pid = store.point_id(PointKey(gpu=gpu, kernel="rmsnorm", dims={"dim": 64}, batch=1,
+                                      seq=1, dtype="float16", weights="", backend="cuda",
+                                      kernel_hash="abc", triton_version="3.6.0",
+                                      torch_version="2.11.0"))
+        store.set_winner(pid, cfg, 2.0, cfg, 2.0, 10, 10, 1)
+    out = tmp_path / "t.yaml"
+    for name, stored in (("l40s", "nvidia-l40s"), ("NVIDIA L40S", "nvidia-l40s"),
+                         ("NVIDIA A40", "nvidia-a40")):
+        r = invoke("export", str(out), "--db", sqlite_url, "--gpu", name)
+        assert r.exit_code == 0 and f"wrote 1 entries for {stored} " in r.output, r.output
+        r = invoke("show", "--db", sqlite_url, "--gpu", name)
+        assert r.exit_code == 0 and f"gpu {stored}" in r.output, r.output
+    assert {k[0] for k in fusetune.tables.read_tables(out).groups} == {"nvidia-a40"}
+    r = invoke("export", str(out), "--db", sqlite_url, "--gpu", "l40s")
+    assert {k[0] for k in fusetune.tables.read_tables(out).groups} == {"l40s"}  # as it loads
+
+
 def test_export_update(db_url: str, tmp_path: Path) -> None:
     from fusetune.db.store import PointKey
 
@@ -341,6 +534,12 @@ def test_search_show_export_lookup(db_url: str, tmp_path: Path, fresh_tables: No
     exported = invoke("export", str(out), "--db", db_url)
     assert exported.exit_code == 0, exported.output
     assert "wrote 4 entries for interpreter" in exported.output
+    # Each entry's time and spread are one stored timing's: the median within p20-p80.
+    (entries,) = yaml.safe_load(out.read_text())["gpus"]["interpreter"].values()
+    assert len(entries) == 4
+    for e in entries:
+        assert e["p20_us"] <= e["time_us"] <= e["p80_us"], e
+        assert e["default_p20_us"] <= e["default_us"] <= e["default_p80_us"], e
 
     fusetune.load_tables(out)
     winners = {(p.batch, p.seq): w.config for p, w in Store(db_url).winners(gpu="interpreter")}

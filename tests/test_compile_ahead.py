@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_interpreted
 from fake_kernels import LOG_ENV, SPEC, point, point_3x
 from optuna.trial import TrialState
 
@@ -114,7 +113,8 @@ def test_configs_compile_in_the_order_submitted_on_several_processes(log: Path) 
 
 def test_a_compile_that_raises_dies_or_hangs_is_only_not_compiled_ahead(log: Path) -> None:
     configs = [cfg(0, mode=4), cfg(1), cfg(2, mode=2), cfg(3), cfg(4, mode=3), cfg(5)]
-    with CompileAhead(FAKE, "cpu", 1, timeout_s=3, compiler_ref=FAKE_COMPILER) as pool:
+    # timeout_s: the hanging config costs the test this long; the others take milliseconds
+    with CompileAhead(FAKE, "cpu", 1, timeout_s=1.5, compiler_ref=FAKE_COMPILER) as pool:
         pool.submit(point(), configs)
         while pool.state(point(), configs[4]) != COMPILING:  # the hanging one
             time.sleep(0.05)
@@ -134,7 +134,8 @@ def test_a_compile_that_raises_dies_or_hangs_is_only_not_compiled_ahead(log: Pat
 
 
 def test_the_gpu_takes_a_config_that_no_process_has_yet(log: Path) -> None:
-    slow, b, c = cfg(0, sleep_ms=1500), cfg(1), cfg(2)
+    # (the process takes seconds to start: `slow` is still compiling when the GPU wants c)
+    slow, b, c = cfg(0, sleep_ms=500), cfg(1), cfg(2)
     with CompileAhead(FAKE, "cpu", 1, timeout_s=60, compiler_ref=FAKE_COMPILER) as pool:
         pool.submit(point(), [slow, b, c])
         assert pool.state(point(), slow) == COMPILING
@@ -151,7 +152,7 @@ def test_the_gpu_takes_a_config_that_no_process_has_yet(log: Path) -> None:
 
 def test_another_point_drops_the_configs_queued_for_the_last(log: Path) -> None:
     other = Point.make("fake", {"dim": 32}, 2, 1, "float32")
-    a = [cfg(0, sleep_ms=1000), cfg(1), cfg(2)]
+    a = [cfg(0, sleep_ms=300), cfg(1), cfg(2)]
     with CompileAhead(FAKE, "cpu", 1, timeout_s=60, compiler_ref=FAKE_COMPILER) as pool:
         pool.submit(point(), a)
         pool.submit(other, [cfg(7)])
@@ -224,12 +225,10 @@ def test_compiling_ahead_is_off_on_the_interpreter() -> None:
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
                     reason="runs a search on Triton's interpreter")
 def test_the_search_on_the_interpreter_says_it_does_not_compile_ahead(tmp_path: Path) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "fusetune.cli", "search", "--kernel", "rmsnorm", "--backend",
-         "interpreter", "--db", f"sqlite:///{tmp_path}/ft.db", "--dim", "64", "--batch", "1",
-         "--seq", "1", "--dtype", "float16", "--trials", "2", "--compile-workers", "3"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = run_interpreted(
+        tmp_path, "search", "--kernel", "rmsnorm", "--backend", "interpreter", "--db",
+        f"sqlite:///{tmp_path}/ft.db", "--dim", "64", "--batch", "1", "--seq", "1", "--dtype",
+        "float16", "--trials", "2", "--compile-workers", "3")
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 0, out[-3000:]
     assert "--compile-workers 3 is ignored: the interpreter backend compiles nothing" in out

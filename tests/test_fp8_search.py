@@ -1,18 +1,16 @@
 """Searching FP8 points: `fusetune search --weights`, the stored points, the exported table's
-`weights`, and the runtime lookup that FP8 weights take (interpreter, in subprocesses as in
-test_cli.py)."""
+`weights`, and the runtime lookup that FP8 weights take (on the interpreter: see
+cli_helpers.run_interpreted)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from cli_helpers import interp_env
+from cli_helpers import Ran, run_interpreted
 from click.testing import CliRunner
 
 import fusetune
@@ -20,11 +18,8 @@ from fusetune import cli
 from fusetune.db.store import Store
 
 
-def search(db_url: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fusetune.cli", "search", "--backend", "interpreter", "--db",
-         db_url, *args], cwd=cwd, env=interp_env(), capture_output=True, text=True,
-        timeout=300, check=False)
+def search(db_url: str, cwd: Path, *args: str) -> Ran:
+    return run_interpreted(cwd, "search", "--backend", "interpreter", "--db", db_url, *args)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from fusetune.models import (
     patched_dims,
     trained_dims,
 )
-from fusetune.tuner import worker
+from fusetune.tuner import study, worker
 from fusetune.tuner.children import start_child
 from fusetune.tuner.search import Target
 from fusetune.tuner.study import PointResult, PointTuner
@@ -275,8 +275,9 @@ def test_search_rows_is_for_kernel_all() -> None:
 
 # ---- `search --kernel all` on the interpreter: one worker per device serves every kernel -------
 
-# Dims the interpreter runs in seconds, for every kernel a model launches.
-TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+# Dims the interpreter runs in a fraction of a second, for every kernel a model launches (its
+# time grows with the programs of the grid: the output columns over the block's).
+TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
         "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5,
         "torch_dtype": "float16"}
 TINY_KERNELS = ["ffn", "linear", "linear", "qkv", "rmsnorm"]  # one search per kernel and dims
@@ -348,6 +349,9 @@ def test_search_all_on_devices_starts_a_worker_per_device_once(
     # `search --devices` with the devices swapped for two CPU "devices" (as in test_devices)
     monkeypatch.setattr(cli, "choose_target", lambda *a: Target(
         "interpreter", gpus.INTERPRETER, "cpu:0", devices=("cpu:0", "cpu:1")))
+    # A device finishing a point looks this often whether the other one's trial there ended
+    # (the trial takes milliseconds here; at the default 0.5 s most of the test was waiting).
+    monkeypatch.setattr(study, "WAIT_POLL_S", 0.02)
     r = search_tiny(tmp_path, "--devices", "0,1", "--trial-timeout", "120")
     assert r.exit_code == 0, r.output
     assert len(re.findall(r"Per device: cpu:0 .*; cpu:1 ", r.output)) == len(TINY_KERNELS)

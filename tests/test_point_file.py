@@ -137,7 +137,7 @@ def test_an_exported_table_searched_again_from_its_points(monkeypatch: pytest.Mo
     points = tmp_path / "points.yaml"
     points.write_text(yaml.safe_dump({"points": [
         {"kernel": "rmsnorm", "dims": {"dim": 64}, "rows": 4, "dtype": "float32"},
-        {"kernel": "ffn", "dims": {"dim": 64, "hidden": 96}, "batch": 2, "seq": 3,
+        {"kernel": "ffn", "dims": {"dim": 32, "hidden": 48}, "batch": 2, "seq": 3,
          "dtype": "float32"}]}))
     db = f"sqlite:///{tmp_path}/ft.db"
     search = ["search", "--kernel", "all", "--backend", "interpreter", "--trials", "2", "--db",

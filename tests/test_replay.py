@@ -2,7 +2,8 @@
 
 Replays are checked on synthetic grids whose answer is known (where the optimum is, how many
 evaluations a uniformly random order needs on average); the grid and the command run on
-Triton's interpreter at a tiny space, in subprocesses like `fusetune search` in test_cli.py.
+Triton's interpreter at a tiny space (cli_helpers.run_interpreted: in this process where it runs
+the interpreter, else in subprocesses).
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ import json
 import math
 import random
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import optuna
 import pytest
-from cli_helpers import interp_env, invoke
+from cli_helpers import invoke, run_interpreted
 from rich.console import Console
 
 from fusetune import cli, gpus
@@ -272,9 +271,7 @@ def test_an_incomplete_grid_is_refused_with_the_count() -> None:
 
 
 def run_cli(cwd: Path, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "fusetune.cli", *args], cwd=cwd,
-                          env=interp_env(), capture_output=True, text=True, timeout=300,
-                          check=False)
+    proc = run_interpreted(cwd, *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,14 +22,28 @@ from fusetune.tuner.study import Context, PointTuner, SearchOptions
 from fusetune.tuner.worker import Worker
 
 REF = "fake_kernels:SPEC"
+# Seconds a config may take before it is a timeout: a right config of fake_kernels takes
+# milliseconds, and each hanging one costs the test this long.
+TIMEOUT_S = 2
+
+
+@pytest.fixture(scope="module")
+def shared_worker() -> Iterator[Worker]:
+    """One worker for this module's tests: starting a process (importing torch) takes seconds,
+    and these tests are about what a running worker does, not about its first start."""
+    w = Worker(REF, "interpreter", "cpu", timeout_s=TIMEOUT_S)
+    yield w
+    w.close()
 
 
 @pytest.fixture
-def worker() -> Worker:
-    w = Worker(REF, "interpreter", "cpu", timeout_s=5)
-    w.set_point(point(), 0)
-    yield w
-    w.close()
+def worker(shared_worker: Worker) -> Worker:
+    """The module's worker, running (restarted if the last test left it dead) on the first
+    kernel and point, its restarts counted from this test's start."""
+    shared_worker.spec_ref = REF
+    shared_worker.set_point(point(), 0)
+    shared_worker.restarts = 0
+    return shared_worker
 
 
 def cfg(mode: int) -> dict[str, int]:
@@ -38,43 +53,43 @@ def cfg(mode: int) -> dict[str, int]:
 def test_each_failure_is_an_outcome_and_the_worker_comes_back(worker: Worker) -> None:
     expected = {1: "ok", 2: "crashed", 3: "timeout", 4: "runtime_error", 5: "wrong_result",
                 6: "crashed"}
+    reasons = {}
     for mode, status in expected.items():
         t0 = time.monotonic()
         out = worker.evaluate(cfg(mode))
         assert out.status == status, (MODES[mode], out)
         assert out.status == "ok" or out.reason, out
         assert time.monotonic() - t0 < 60
+        reasons[mode] = (out.reason, worker._last_death)  # as the failure left them
         # After every failure, a right config still works in the (restarted) worker.
         assert worker.evaluate(cfg(1)).status == "ok"
     assert worker.restarts == 3  # crash, hang, lost device
-    assert "SIGSEGV" in worker.evaluate(cfg(2)).reason or "139" in worker._last_death
-    assert "no result within 5 s" in worker.evaluate(cfg(3)).reason
+    crash_reason, crash_death = reasons[2]
+    assert "SIGSEGV" in crash_reason or "139" in crash_death
+    assert f"no result within {TIMEOUT_S:g} s" in reasons[3][0]
 
 
-def test_one_worker_serves_two_kernels_and_comes_back_on_the_current_one() -> None:
+def test_one_worker_serves_two_kernels_and_comes_back_on_the_current_one(worker: Worker) -> None:
     # MODE 1 is right for fake_kernels:SPEC, wrong for SPEC_3X (whose reference is 3x); MODE 5
     # the other way round: the statuses tell which kernel's reference the worker checked.
-    w = Worker(REF, "interpreter", "cpu", timeout_s=5)
-    try:
-        w.set_point(point(), 0)
-        assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["ok", "wrong_result"]
-        assert w._proc is not None
-        pid = w._proc.pid
-        w.spec_ref = "fake_kernels:SPEC_3X"
-        w.set_point(point_3x(), 0)
-        assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["wrong_result", "ok"]
-        assert not isinstance(w.timing(cfg(5)), Outcome)
-        assert w._proc.pid == pid and w.restarts == 0  # the same process
-        # restarted after a crash: on the kernel and point set last
-        assert w.evaluate(cfg(2)).status == "crashed"
-        assert w.restarts == 1 and w._proc.pid != pid
-        assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["wrong_result", "ok"]
-        w.spec_ref = REF  # and back to the first kernel, in the new process
-        w.set_point(point(), 0)
-        assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["ok", "wrong_result"]
-        assert w.restarts == 1
-    finally:
-        w.close()
+    w = worker
+    w.set_point(point(), 0)
+    assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["ok", "wrong_result"]
+    assert w._proc is not None
+    pid = w._proc.pid
+    w.spec_ref = "fake_kernels:SPEC_3X"
+    w.set_point(point_3x(), 0)
+    assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["wrong_result", "ok"]
+    assert not isinstance(w.timing(cfg(5)), Outcome)
+    assert w._proc.pid == pid and w.restarts == 0  # the same process
+    # restarted after a crash: on the kernel and point set last
+    assert w.evaluate(cfg(2)).status == "crashed"
+    assert w.restarts == 1 and w._proc.pid != pid
+    assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["wrong_result", "ok"]
+    w.spec_ref = REF  # and back to the first kernel, in the new process
+    w.set_point(point(), 0)
+    assert [w.evaluate(cfg(m)).status for m in (1, 5)] == ["ok", "wrong_result"]
+    assert w.restarts == 1
 
 
 def test_time_of_a_crashing_config_is_an_outcome(worker: Worker) -> None:
@@ -97,17 +112,14 @@ def test_time_says_why_it_failed_and_keeps_a_healthy_worker(worker: Worker) -> N
     assert not isinstance(worker.timing(cfg(1)), Outcome)
 
 
-def test_a_search_over_bad_configs_ends_with_the_right_winner(tmp_path: Path) -> None:
+def test_a_search_over_bad_configs_ends_with_the_right_winner(tmp_path: Path,
+                                                             worker: Worker) -> None:
     url = f"sqlite:///{tmp_path}/ft.db"
     space = SearchSpace("fake", (Param("MODE", "values", tuple(MODES)),
                                  Param("num_warps", "pow2", (4,))), "test")
-    w = Worker(REF, "interpreter", "cpu", timeout_s=5)
-    try:
-        ctx = Context(SPEC, space, gpus.INTERPRETER, "interpreter", "cpu", Store(url),
-                      open_storage(url), "t", "v", w)
-        res = PointTuner(ctx, point(), SearchOptions(trials=10, rounds=1)).run()
-    finally:
-        w.close()
+    ctx = Context(SPEC, space, gpus.INTERPRETER, "interpreter", "cpu", Store(url),
+                  open_storage(url), "t", "v", worker)
+    res = PointTuner(ctx, point(), SearchOptions(trials=10, rounds=1)).run()
     statuses = {r.config["MODE"]: r.status for r in ctx.store.results(
         ctx.store.point_id(ctx.key(point()))).values()}
     assert statuses == {1: "ok", 2: "crashed", 3: "timeout", 4: "runtime_error",
