@@ -83,7 +83,7 @@ def _check_layer(base: nn.Module, index: int, modules: dict[int, nn.Module], cac
     mask[1, :2] = 0  # the second prompt left-padded, as generate() batches them
 
     args, kwargs = _capture(base, layer, input_ids=ids, attention_mask=mask, use_cache=True)
-    cache = _find_cache(args, kwargs, cache_name, where)
+    cache = _find_cache(kwargs, cache_name, where)
     mine = copy.deepcopy(cache)
     name = f"layer {index} ({type(layer).__name__})"
     with _own_forwards(own):
@@ -130,7 +130,7 @@ def _capture(base: nn.Module, layer: nn.Module, **inputs: Any) -> tuple[tuple, d
     return calls[0]
 
 
-def _find_cache(args: tuple, kwargs: dict[str, Any], name: str, where: str) -> Any:
+def _find_cache(kwargs: dict[str, Any], name: str, where: str) -> Any:
     cache = kwargs.get(name)
     if cache is None:
         raise SelfCheckError(
