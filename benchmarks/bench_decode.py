@@ -28,7 +28,7 @@ from benchmarks.script_args import add_cases_option, chosen_cases, doc_summary
 from benchmarks.timing import as_graph, cuda_gpu, median_us
 from fusetune import models
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import WEIGHT_FORMATS, Config, KernelSpec, Point
+from fusetune.spec import WEIGHT_FORMATS, Config, KernelSpec, Point
 from fusetune.tables import lookup
 from fusetune.tuner.bench import Evaluator
 

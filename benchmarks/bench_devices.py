@@ -131,7 +131,7 @@ def retime(one: Run, many: Run, device: str, rounds: int) -> dict[str, tuple[flo
     import statistics
 
     from fusetune.kernels import get_spec
-    from fusetune.kernels._spec import Point
+    from fusetune.spec import Point
     from fusetune.tuner.bench import Evaluator
 
     times: dict[str, tuple[float, float]] = {}

@@ -172,7 +172,7 @@ def quantized(layer: Layer, fmt: str, per_channel: bool = True
 
 
 def point_of(layer: Layer, weights: str = "", activations: str = "") -> Any:
-    from fusetune.kernels._spec import Point
+    from fusetune.spec import Point
 
     return Point.make(layer.kernel, layer.dims, 1, layer.rows,
                       str(layer.x.dtype).removeprefix("torch."), weights, activations)
@@ -258,7 +258,7 @@ def timing_case(kernel: str, m: int, fmt: str, dtype: torch.dtype, fp8_mma: bool
     import fusetune
     from benchmarks.timing import BW_TBS
     from fusetune.kernels import fp8, get_spec
-    from fusetune.kernels._spec import Point
+    from fusetune.spec import Point
 
     spec = get_spec(kernel)
     dims = dims or LLAMA_DIMS[kernel]

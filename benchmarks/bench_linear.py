@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 import fusetune
 from benchmarks.timing import gemm_report, heading, parser, run, start
-from fusetune.kernels._spec import Point
 from fusetune.kernels.linear import SPEC
+from fusetune.spec import Point
 
 IMPLS = ("tuned", "default", "eager", "compile", "gemm_alone", "scaled_mm")
 # (in_features, out_features) of Llama-3-8B's projections that linear serves

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import fusetune
 from benchmarks.timing import gemm_report, heading, parser, run, start
-from fusetune.kernels._spec import Point
 from fusetune.kernels.lola import SPEC
+from fusetune.spec import Point
 
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "gemm_alone")
 

@@ -24,7 +24,7 @@ import yaml
 
 from benchmarks.timing import heading, parser, run, start
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Point
+from fusetune.spec import Point
 
 IMPLS = ("lookup", "default", "search")
 # Held-out shapes: dims of models no shipped table holds.

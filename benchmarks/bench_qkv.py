@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 import fusetune
 from benchmarks.timing import gemm_report, heading, parser, run, start
-from fusetune.kernels._spec import Point
 from fusetune.kernels.qkv import SPEC
 from fusetune.kernels.rope import rotary_tables
 from fusetune.models import preset
+from fusetune.spec import Point
 
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "gemm_alone")
 EPS = 1e-6

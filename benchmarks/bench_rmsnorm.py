@@ -19,8 +19,8 @@ import torch
 
 import fusetune
 from benchmarks.timing import heading, parser, report, run, start
-from fusetune.kernels._spec import Point
 from fusetune.kernels.rmsnorm import SPEC
+from fusetune.spec import Point
 
 FLOOR_TBS = 3.0  # measured device-to-device copy ceiling of the H100 (bytes read + written)
 

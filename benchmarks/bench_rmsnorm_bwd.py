@@ -31,8 +31,8 @@ import torch
 import fusetune
 from benchmarks.bench_rmsnorm import eager_rmsnorm
 from benchmarks.timing import heading, keep_saved_tensors, parser, report, run, start
-from fusetune.kernels._spec import Point
 from fusetune.kernels.rmsnorm_bwd import SPEC
+from fusetune.spec import Point
 
 FLOOR_TBS = 3.0  # measured device-to-device copy ceiling of the H100 (bytes read + written)
 EPS = 1e-6

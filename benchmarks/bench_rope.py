@@ -20,8 +20,8 @@ import torch
 
 import fusetune
 from benchmarks.timing import heading, parser, report, run, start
-from fusetune.kernels._spec import Point
 from fusetune.kernels.rope import SPEC, rotary_tables
+from fusetune.spec import Point
 
 FLOOR_TBS = 3.0
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "copy")

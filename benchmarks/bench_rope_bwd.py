@@ -27,8 +27,8 @@ import torch
 import fusetune
 from benchmarks.bench_rope import hf_rope, llama_rope, table, tables_for
 from benchmarks.timing import PLAIN, heading, keep_saved_tensors, parser, report, run, start
-from fusetune.kernels._spec import Point
 from fusetune.kernels.rope_bwd import SPEC, rope_bwd
+from fusetune.spec import Point
 
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "copy")
 AUTOGRAD = frozenset({"eager", "compile", "liger"})  # backwards of a retained autograd graph

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import fusetune
 from benchmarks.timing import heading, parser, report, run, start
-from fusetune.kernels._spec import Point
 from fusetune.kernels.swiglu import SPEC
+from fusetune.spec import Point
 
 FLOOR_TBS = 3.0
 IMPLS = ("tuned", "default", "eager", "compile", "liger", "copy")

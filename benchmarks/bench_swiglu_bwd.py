@@ -25,8 +25,8 @@ import fusetune
 from benchmarks.bench_rope_bwd import AUTOGRAD
 from benchmarks.bench_swiglu import IMPLS, copy_of, eager_swiglu, gate_inputs, table
 from benchmarks.timing import PLAIN, heading, keep_saved_tensors, parser, report, run, start
-from fusetune.kernels._spec import Point
 from fusetune.kernels.swiglu_bwd import SPEC, swiglu_bwd
+from fusetune.spec import Point
 
 
 def backward_of(forward: Callable[..., torch.Tensor], a: torch.Tensor, b: torch.Tensor,

@@ -68,7 +68,7 @@ class Entry:
         return f"{self.kernel} {dims}, {self.dtype}{mode}, {self.rows} rows"
 
     def point(self) -> Any:
-        from fusetune.kernels._spec import Point
+        from fusetune.spec import Point
 
         return Point.make(self.kernel, dict(self.dims), self.rows, 1, self.dtype, self.weights,
                           self.activations)

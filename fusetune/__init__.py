@@ -6,6 +6,7 @@
     fusetune.lookup("rmsnorm", {"dim": 4096}, "float16", rows=16)
     w1q, s1 = fusetune.quantize_fp8(w1)      # FP8 weights + per-channel scales, once per model
     fusetune.patch(model)                    # a transformers Llama/Mistral/Qwen2 on the fused ops
+    @fusetune.autotune(space=..., key=[...])  # your own @triton.jit kernel, tuned offline
 
 Importing fusetune loads the kernels lazily and never imports optuna or sqlalchemy.
 """
@@ -16,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["FusetuneWarning", "SelfCheckError", "TableError", "ffn", "linear", "load_tables",
-           "lola", "lookup", "nn", "patch", "qkv", "quantize_fp8", "resolve", "rmsnorm",
-           "rmsnorm_bwd", "rope", "swiglu", "unpatch"]
+__all__ = ["Cost", "FusetuneWarning", "KernelSpec", "NotTunedError", "Point", "Resources",
+           "SelfCheckError", "TableError", "TunedKernel", "autotune", "ffn", "linear",
+           "load_tables", "lola", "lookup", "nn", "patch", "qkv", "quantize_fp8", "resolve",
+           "rmsnorm", "rmsnorm_bwd", "rope", "swiglu", "unpatch"]
 
 # The kernels' public functions are fusetune.api's: the launchers when called eagerly, their
 # custom ops under torch.compile.
@@ -41,13 +43,22 @@ _LAZY = {
     "patch": ("fusetune.integrations.hf", "patch"),
     "unpatch": ("fusetune.integrations.hf", "unpatch"),
     "nn": ("fusetune.nn", ""),  # the module itself
+    "autotune": ("fusetune.autotuned", "autotune"),
+    "TunedKernel": ("fusetune.autotuned", "TunedKernel"),
+    "NotTunedError": ("fusetune.autotuned", "NotTunedError"),
+    "KernelSpec": ("fusetune.spec", "KernelSpec"),
+    "Point": ("fusetune.spec", "Point"),
+    "Resources": ("fusetune.spec", "Resources"),
+    "Cost": ("fusetune.spec", "Cost"),
 }
 
 if TYPE_CHECKING:
     from fusetune import nn
     from fusetune.api import ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, rope, swiglu
+    from fusetune.autotuned import NotTunedError, TunedKernel, autotune
     from fusetune.integrations.hf_check import SelfCheckError
     from fusetune.kernels.fp8 import quantize_fp8
+    from fusetune.spec import Cost, KernelSpec, Point, Resources
     from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup, resolve
 
 

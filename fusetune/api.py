@@ -32,7 +32,7 @@ from fusetune.kernels import rmsnorm as _rmsnorm
 from fusetune.kernels import rmsnorm_bwd as _rmsnorm_bwd
 from fusetune.kernels import rope as _rope
 from fusetune.kernels import swiglu as _swiglu
-from fusetune.kernels._spec import check_no_grad
+from fusetune.spec import check_no_grad
 
 __all__ = ["ffn", "linear", "lola", "qkv", "rmsnorm", "rmsnorm_bwd", "rope", "swiglu"]
 

@@ -115,6 +115,8 @@ def _resolve_points(args: PointArgs, target: Target, small: bool
     try:
         spec = get_spec(args.kernel)
         space = load_space(spec, args.space_path)
+        if not spec.rows:
+            return spec, space, _own_points(spec, args)
         if model is None and args.dim is None and args.dims_opt is None:
             model = grid["model"]
         dims = parse_dims(spec.dim_names, model, args.dim, args.dims_opt, spec.dims_from_model)
@@ -134,6 +136,30 @@ def _resolve_points(args: PointArgs, target: Target, small: bool
     return spec, space, points
 
 
+def _own_points(spec: Any, args: PointArgs) -> list[Any]:
+    """The points of a kernel keyed by its own arguments (fusetune.autotune): its key values
+    from --dims, one point per --dtype (float16 unless given), no rows; the other tensors'
+    dtypes come from its make_inputs."""
+    from fusetune.spec import Point
+
+    given = _given((("model", "--model"), ("batch", "--batch"), ("seq", "--seq"),
+                    ("weights", "--weights")))
+    given += ["--activations"] if args.activations != "16bit" else []
+    if given:
+        raise click.UsageError(
+            f"{spec.name} is keyed by its arguments {', '.join(spec.dim_names)}: give their "
+            f"values as --dims {','.join(f'{k}=...' for k in spec.dim_names)} (several "
+            f"points: --points FILE) and leave out {', '.join(given)}")
+    dims = parse_dims(spec.dim_names, None, args.dim, args.dims_opt, spec.dims_from_model)
+    points = []
+    for dtype in args.dtype or ["float16"]:
+        if dtype not in spec.dtypes:
+            raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(spec.dtypes)}")
+        point = Point.make(spec.name, dims, 1, 1, dtype)
+        points.append(Point.make(spec.name, dims, 1, 1, dtype, spec.signature(point)))
+    return points
+
+
 def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = None
                   ) -> list[tuple[Any, Any, list[Any]]]:
     """`--kernel all`: (spec, space, points) for every kernel and dims a model run by
@@ -143,8 +169,8 @@ def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = Non
     `--kernel training`: the same for the kernels of fusetune.patch's training path, at the
     token rows of a training step (models.TRAINING_ROWS unless --rows or --batch x --seq)."""
     from fusetune.kernels import get_spec
-    from fusetune.kernels._spec import Point
     from fusetune.models import TRAINING_ROWS, launched_dims, load_model, model_rows
+    from fusetune.spec import Point
     from fusetune.tuner.space import SpaceError, load_space
 
     training = args.kernel == "training"
@@ -443,9 +469,9 @@ def _open_context(spec: Any, space: Any, target: Target, db: str,
 
     device = device or target.device
     store, storage = _open_store(db)
-    worker = (Worker(spec.name, target.backend, device, trial_timeout)
+    worker = (Worker(spec.search_ref, target.backend, device, trial_timeout)
               if trial_timeout is not None else None)
-    compiler = (CompileAhead(spec.name, device, compile_workers, compile_timeout)
+    compiler = (CompileAhead(spec.search_ref, device, compile_workers, compile_timeout)
                 if compile_workers > 0 else None)
     return Context(spec, space, target.gpu, target.backend, device, store, storage,
                    triton.__version__, torch.__version__, worker, compiler)
@@ -500,7 +526,7 @@ def _run_search(groups: Sequence[_Group], target: Any, db: str, trials: int,
                            compile_workers=compile_workers, compile_timeout=compile_timeout)
     try:
         for spec, space, points in groups:
-            _search_points(shared.for_kernel(spec, space, spec.name), points, options, target,
+            _search_points(shared.for_kernel(spec, space, spec.search_ref), points, options, target,
                            db, compile_workers)
     finally:
         shared.close()
@@ -594,8 +620,9 @@ def _run_search_on_devices(groups: Sequence[_Group], target: Target, db: str, tr
                                           compile_workers=compile_workers,
                                           compile_timeout=trial_timeout))
         for spec, space, points in groups:
-            _search_points_on_devices([c.for_kernel(spec, space, spec.name) for c in contexts],
-                                      points, options, target, db)
+            _search_points_on_devices(
+                [c.for_kernel(spec, space, spec.search_ref) for c in contexts], points, options,
+                target, db)
     finally:
         for ctx in contexts:
             ctx.close()
@@ -656,9 +683,15 @@ def _print_retime_failures(result: Any, out: Console) -> None:
 
 
 @main.command()
-@click.option("--model", required=True,
+@click.option("--model", default=None,
               help="A preset (llama-3-8b, qwen2.5-7b, ...) or a Hugging Face model directory or "
                    "its config.json.")
+@click.option("--points", "points_file", type=click.Path(dir_okay=False), default=None,
+              help="Instead of --model: the points a file names (a table, or `points: [...]` "
+                   "as `search --points` reads), of any kernel, your own included "
+                   "(package.module:name, or its registered name, in --kernel).")
+@click.option("--kernel", "-k", default="all", show_default=True,
+              help="With --points: only this kernel's points.")
 @click.option("--gpu", "gpu_name", default=None,
               help="The GPU whose tables answer (h100, h200, ...). Default: the first visible "
                    "GPU.")
@@ -678,9 +711,10 @@ def _print_retime_failures(result: Any, out: Console) -> None:
               help="Table files to read before the shipped tables (default: FUSETUNE_TABLES, "
                    "then the shipped ones).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def coverage(model: str, gpu_name: str | None, dtype: str | None, weights: str | None,
-             activations: str, rows: list[int] | None, training: bool,
-             table_paths: tuple[str, ...], as_json: bool) -> None:
+def coverage(model: str | None, points_file: str | None, kernel: str, gpu_name: str | None,
+             dtype: str | None, weights: str | None, activations: str,
+             rows: list[int] | None, training: bool, table_paths: tuple[str, ...],
+             as_json: bool) -> None:
     """Where each config of a patched model comes from on one GPU.
 
     For every kernel and dims that fusetune.patch launches in MODEL and every row count: exact
@@ -693,11 +727,21 @@ def coverage(model: str, gpu_name: str | None, dtype: str | None, weights: str |
     import json
 
     import fusetune
-    from fusetune import gpus as g
     from fusetune.coverage import coverage as model_coverage
-    from fusetune.kernels._spec import point_activations, point_weights
     from fusetune.models import TRAINING_ROWS, load_model
+    from fusetune.spec import point_activations, point_weights
 
+    if (model is None) == (points_file is None):
+        raise click.UsageError("give --model (a model's points) or --points FILE")
+    if points_file is not None:
+        given = [o for o, v in (("--dtype", dtype), ("--weights", weights), ("--rows", rows))
+                 if v is not None] + (["--training"] if training else [])
+        if given:
+            raise click.UsageError(f"--points names the points itself: leave out "
+                                   f"{', '.join(given)}")
+        _points_coverage(points_file, kernel, gpu_name, table_paths, as_json)
+        return
+    assert model is not None
     if training and (weights is not None or activations != "16bit"):
         raise click.UsageError("--training: the training path runs 16-bit weights; leave out "
                                "--weights and --activations")
@@ -705,13 +749,7 @@ def coverage(model: str, gpu_name: str | None, dtype: str | None, weights: str |
         rows = list(TRAINING_ROWS) if training else [1, 4, 16, 64, 256, 1024, 4096]
     try:
         m = load_model(model)
-        if gpu_name is None:
-            visible = g.visible_gpus()
-            if not visible:
-                raise click.ClickException("no GPU is visible: name the GPU whose tables to read "
-                                           "with --gpu (h100, h200, ...)")
-            gpu_name = visible[0].spec.name
-        gpu = g.resolve(gpu_name).name
+        gpu = _tables_gpu(gpu_name)
         d = dtype or m.dtype
         w = "" if weights is None else point_weights(weights, d)
         a = point_activations(activations, w)
@@ -748,6 +786,69 @@ def coverage(model: str, gpu_name: str | None, dtype: str | None, weights: str |
         console.print(f"The {counts['default']} default points have no tuned config on {gpu}: "
                       f"tune them with `{command}`, then `fusetune export TABLE` and read it "
                       "with --tables (or FUSETUNE_TABLES).", soft_wrap=True, markup=False)
+
+
+def _tables_gpu(gpu_name: str | None) -> str:
+    """The GPU whose tables `coverage` reads: --gpu's canonical name, else the first visible
+    GPU's (a ClickException where none is)."""
+    from fusetune import gpus
+
+    if gpu_name is None:
+        visible = gpus.visible_gpus()
+        if not visible:
+            raise click.ClickException("no GPU is visible: name the GPU whose tables to read "
+                                       "with --gpu (h100, h200, ...)")
+        return visible[0].spec.name
+    return gpus.resolve(gpu_name).name
+
+
+def _points_coverage(path: str, kernel: str, gpu_name: str | None, table_paths: tuple[str, ...],
+                     as_json: bool) -> None:
+    """`coverage --points FILE`: the lookup's answer at every point of the file, on one GPU."""
+    import json
+
+    import fusetune
+    from fusetune.runtime import resolve
+    from fusetune.tuner.point_file import load_points
+
+    try:
+        gpu = _tables_gpu(gpu_name)
+        if table_paths:
+            fusetune.load_tables(*table_paths)
+        found = []
+        for spec, points in load_points(path, gpu, kernel):
+            for p in points:
+                res = resolve(spec, p.dim, p.dtype, rows=p.rows, weights=p.weights,
+                              activations=p.activations, gpu=gpu, warn=False)
+                found.append((spec, p, res))
+    except (SearchError, ValueError, fusetune.TableError) as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps([{"kernel": p.kernel, "dims": p.dim, "rows": p.rows,
+                                "dtype": p.dtype, "weights": p.weights,
+                                "activations": p.activations, "source": r.source,
+                                "speedup": r.speedup, "marginal": r.marginal}
+                               for _, p, r in found], indent=1))
+        return
+    t = Table(title=f"Configs of the points of {path} on {gpu}")
+    for col in ("kernel", "dims", "rows", "dtype", "source", "recorded speedup"):
+        t.add_column(col, overflow="fold")
+    for _, p, r in found:
+        dtype = p.dtype + (f" w={p.weights}" if p.weights else "") + (
+            f" a={p.activations}" if p.activations else "")
+        t.add_row(p.kernel, p.dims_label, str(p.rows), dtype,
+                  r.source + (f" ({MARGINAL_NOTE})" if r.marginal else ""),
+                  _fmt(r.speedup, ".2f") + ("×" if r.speedup else ""))
+    console.print(t)
+    counts = {s: sum(1 for _, _, r in found if r.source == s)
+              for s in ("exact", "rows", "nearby", "default")}
+    console.print("; ".join(f"{n} {s}" for s, n in counts.items()))
+    if counts["default"]:
+        refs = sorted({spec.search_ref for spec, _, r in found if r.source == "default"})
+        console.print(f"The {counts['default']} default points have no tuned config on {gpu}: "
+                      f"tune them with `fusetune search --kernel {refs[0]} --points {path} "
+                      f"--gpu {gpu}` (each kernel: {', '.join(refs)}), then `fusetune export "
+                      "TABLE`.", soft_wrap=True, markup=False)
 
 
 def _tune_command(model: str, gpu: str, rows: Sequence[int], training: bool, dtype: str | None,
@@ -988,13 +1089,13 @@ def _kernel_filter(kernel: str | None, store: Any) -> str | None:
     from fusetune.kernels import REGISTRY, get_spec
 
     try:
-        get_spec(kernel)
+        name = get_spec(kernel).name  # "package.module:name" of a kernel of one's own: its name
     except ValueError as e:
         retired = [k for k in stored if k not in REGISTRY]
         raise click.ClickException(
             str(e) + (f"; or one that {_shown(store.url)} holds: {', '.join(retired)}"
                       if retired else "")) from None
-    return kernel
+    return name
 
 
 @main.command()

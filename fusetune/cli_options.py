@@ -100,7 +100,9 @@ class PointArgs:
 
 
 _KERNELS_HELP = ("rmsnorm, rope, qkv, ffn, lola, linear; for training rmsnorm_bwd, rope_bwd, "
-                 "swiglu, swiglu_bwd")
+                 "swiglu, swiglu_bwd; or a kernel of your own: package.module:name of a "
+                 "@fusetune.autotune kernel, or the name an installed package registers it by "
+                 "(entry points `fusetune.kernels`), its key arguments given as --dims")
 # --kernel of `search`: one kernel, or the kernels of a model's path.
 _KERNEL_OR_MODEL = click.option(
     "--kernel", "-k", required=True,
@@ -150,7 +152,9 @@ _OPTIONS = (
                  help="Sequence lengths (1 = decode). Default: "
                       f"{','.join(map(str, DEFAULT_GRID['seq']))}."),
     click.option("--dtype", callback=str_list, default=None,
-                 help=f"Activation dtypes. Default: {','.join(DEFAULT_GRID['dtype'])}."),
+                 help=f"Activation dtypes. Default: {','.join(DEFAULT_GRID['dtype'])} "
+                      "(a kernel of your own: the dtype its make_inputs is given, float16 "
+                      "by default)."),
     click.option("--weights", default=None,
                  help="Weight format (ffn, qkv, linear, lola): fp8-e4m3 or fp8-e5m2 (FP8 with "
                       "a float32 scale per output channel, as from fusetune.quantize_fp8), or "

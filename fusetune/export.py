@@ -13,7 +13,8 @@ import yaml
 from fusetune import __version__
 from fusetune.db.store import Store
 from fusetune.gpus import UnknownGpuError, resolve
-from fusetune.runtime import UNCATALOGUED_FIELD
+from fusetune.registry import BUILTIN
+from fusetune.runtime import EXTERNAL_FIELD, UNCATALOGUED_FIELD
 from fusetune.tables import SCHEMA_VERSION, canonical_gpu, parse_tables
 
 
@@ -40,7 +41,8 @@ def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
             entry["activations"] = p.activations
         entry.update(batch=p.batch, seq=p.seq, config=dict(w.config))
         entry.update(_timings(store, p.id, w, judge=p.backend == "cuda"))
-        entry.update(triton=p.triton_version, torch=p.torch_version, backend=p.backend)
+        entry.update(triton=p.triton_version, torch=p.torch_version, backend=p.backend,
+                     source=p.kernel_hash)
         gpus.setdefault(p.gpu, {}).setdefault(p.kernel, []).append(entry)
     return _document(gpus, versions)
 
@@ -100,6 +102,11 @@ def _document(gpus: dict[str, dict[str, list[dict[str, Any]]]],
     uncatalogued = sorted(g for g in gpus if not _catalogued(g))
     if uncatalogued:
         provenance[UNCATALOGUED_FIELD] = uncatalogued
+    # Kernels not fusetune's own, listed so that the loader knows them for kernels and not
+    # typos before their modules declare them.
+    external = sorted({k for kernels in gpus.values() for k in kernels} - set(BUILTIN))
+    if external:
+        provenance[EXTERNAL_FIELD] = external
     return {
         "schema_version": SCHEMA_VERSION,
         "provenance": provenance,

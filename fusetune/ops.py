@@ -46,7 +46,7 @@ from fusetune.kernels import rope as _rope
 from fusetune.kernels import rope_bwd as _rope_bwd
 from fusetune.kernels import swiglu as _swiglu
 from fusetune.kernels import swiglu_bwd as _swiglu_bwd
-from fusetune.kernels._spec import KernelSpec
+from fusetune.spec import KernelSpec
 
 _lowered = False
 

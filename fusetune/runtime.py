@@ -31,7 +31,7 @@ import shlex
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -39,12 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fusetune.kernels._call_memo import clear_all as clear_memos
-from fusetune.kernels._spec import DTYPES, Config, ConfigError, Point, check_fits
+from fusetune.spec import Config, ConfigError, Point, check_fits
 
 if TYPE_CHECKING:
     from fusetune.gpus import GpuSpec
-    from fusetune.kernels._spec import KernelSpec
+    from fusetune.spec import KernelSpec
 
 SCHEMA_VERSION = 1
 ENV_VAR = "FUSETUNE_TABLES"
@@ -55,7 +54,16 @@ ENTRY_FIELDS = {"dims": True, "dtype": True, "batch": True, "seq": True, "config
                 "weights": False, "activations": False, "time_us": False, "default_us": False,
                 "p20_us": False, "p80_us": False, "default_p20_us": False,
                 "default_p80_us": False, "marginal": False, "triton": False, "torch": False,
-                "backend": False}
+                "backend": False, "source": False}
+# The provenance field listing the kernels of a table that are not fusetune's own (declared
+# with fusetune.autotune or registered by a package): the loader takes entries of those names
+# for kernels it will meet, not for typos, and checks them when the kernel is first looked up.
+EXTERNAL_FIELD = "external_kernels"
+# What the lookup does with an entry tuned with another Triton version (KernelSpec.other_triton
+# for every kernel): warn, refuse or ignore.
+OTHER_TRITON_ENV = "FUSETUNE_OTHER_TRITON"
+OTHER_TRITON_CHOICES = ("warn", "refuse", "ignore")
+TUNED_CACHE_ENV = "FUSETUNE_CACHE"
 
 
 class TableError(ValueError):
@@ -89,6 +97,8 @@ class EntryInfo:
     time_us: float | None = None
     default_us: float | None = None
     marginal: bool = False
+    source: str | None = None  # the kernel's source hash it was tuned with (None: not known)
+    triton: str | None = None  # the Triton version it was tuned with (None: not known)
 
     @property
     def speedup(self) -> float | None:
@@ -135,6 +145,14 @@ class Tables:
                 + sum(len(v) for v in self.unchecked.values()))
 
 
+def clear_memos() -> None:
+    """Forgets the launchers' remembered calls (fusetune.kernels._call_memo), where fusetune's
+    kernels are loaded: the lookup of a kernel of one's own does not load them."""
+    module = sys.modules.get("fusetune.kernels._call_memo")
+    if module is not None:
+        module.clear_all()
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -157,17 +175,20 @@ def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str
     for k, v in dims.items():
         if not _is_int(v) or v < 0:
             raise TableError(f"{where}: dims.{k}={v!r} must be a non-negative integer")
-    if raw["dtype"] not in DTYPES:
-        raise TableError(f"{where}: dtype {raw['dtype']!r} is not one of {', '.join(DTYPES)}")
+    if raw["dtype"] not in spec.dtypes:
+        raise TableError(f"{where}: dtype {raw['dtype']!r} is not one of "
+                         f"{', '.join(spec.dtypes)}")
     for k in ("batch", "seq"):
         if not _is_int(raw[k]) or raw[k] < 1:
             raise TableError(f"{where}: {k}={raw[k]!r} must be a positive integer")
     weights = raw.get("weights", "") or ""
     if not isinstance(weights, str):
         raise TableError(f"{where}: weights={weights!r} must be a string")
-    if weights and weights not in spec.weight_formats:
+    if weights and not spec.accepts_weights(weights):
         valid = (f"one of {', '.join(spec.weight_formats)}, or left out (weights in the "
                  "activations' dtype)" if spec.weight_formats
+                 else "the dtypes of the other tensors, comma-separated (torch names)"
+                 if spec.signature is not None
                  else f"left out ({spec.name} has no weights)")
         raise TableError(f"{where}: weights {weights!r}: expected {valid}")
     activations = raw.get("activations", "") or ""
@@ -184,13 +205,18 @@ def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str
     marginal = raw.get("marginal", False)
     if not isinstance(marginal, bool):
         raise TableError(f"{where}: marginal={marginal!r} must be true or false")
+    versions = {k: raw.get(k) for k in ("source", "triton")}
+    for k, v in versions.items():
+        if v is not None and not isinstance(v, str):
+            raise TableError(f"{where}: {k}={v!r} must be a string")
     try:
         config = spec.validate_config(raw["config"], where=f"{where}: config")
     except ConfigError as e:
         raise TableError(str(e)) from None
     key: GroupKey = (gpu, spec.name, tuple(sorted(dims.items())), raw["dtype"], weights,
                      activations)
-    info = EntryInfo(raw.get("time_us"), raw.get("default_us"), marginal)
+    info = EntryInfo(raw.get("time_us"), raw.get("default_us"), marginal, versions["source"],
+                     versions["triton"])
     return key, raw["batch"] * raw["seq"], config, info
 
 
@@ -263,6 +289,10 @@ def parse_tables(text: str, source: str, specs: Mapping[str, KernelSpec] | None)
     if not isinstance(uncatalogued, list) or not all(isinstance(u, str) for u in uncatalogued):
         raise TableError(f"{source}: provenance.{UNCATALOGUED_FIELD} must be a list of GPU "
                          f"names, got {uncatalogued!r}")
+    external = data["provenance"].get(EXTERNAL_FIELD) or []
+    if not isinstance(external, list) or not all(isinstance(k, str) for k in external):
+        raise TableError(f"{source}: provenance.{EXTERNAL_FIELD} must be a list of kernel "
+                         f"names, got {external!r}")
     gpus = data["gpus"]
     if not isinstance(gpus, Mapping):
         raise TableError(f"{source}: gpus must map GPU names to kernels")
@@ -275,14 +305,16 @@ def parse_tables(text: str, source: str, specs: Mapping[str, KernelSpec] | None)
         if not isinstance(kernels, Mapping):
             raise TableError(f"{source}: gpus.{gpu_key} must map kernel names to entry lists")
         for kernel, entries in kernels.items():
-            if specs is not None and kernel not in specs:
+            if specs is not None and kernel not in specs and kernel not in external:
                 raise TableError(f"{source}: gpus.{gpu_key}.{kernel}: unknown kernel {kernel!r}; "
-                                 f"valid: {', '.join(sorted(specs))}")
+                                 f"valid: {', '.join(sorted(specs))}, or a kernel of your own "
+                                 f"listed in provenance.{EXTERNAL_FIELD} (as `fusetune "
+                                 "export` writes it)")
             if not isinstance(entries, list):
                 raise TableError(f"{source}: gpus.{gpu_key}.{kernel} must be a list of entries")
             for i, raw in enumerate(entries):
                 entry = RawEntry(source, f"gpus.{gpu_key}.{kernel}[{i}]", str(gpu), raw)
-                if specs is None:
+                if specs is None or kernel not in specs:  # checked at its first lookup
                     tables.unchecked.setdefault(str(kernel), []).append(entry)
                     continue
                 key, rows, config, info = _checked(entry, specs[kernel])
@@ -303,9 +335,13 @@ def read_tables(path: str | Path, specs: Mapping[str, KernelSpec] | None) -> Tab
 
 # ---- runtime state -----------------------------------------------------------------------------
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered where a lookup tunes now and stores what it found
 _user: Tables | None = None
 _shipped: Tables | None = None
+_tuned: Tables | None = None  # the per-user cache of configs tuned at run time (tuned_cache)
+# Table files a package ships for its own kernels (fusetune.autotune(tables=...)), read with
+# the shipped tables: kernel name -> paths.
+_package_tables: dict[str, tuple[str, ...]] = {}
 _cache: dict[tuple[Any, ...], Config] = {}
 _warned: set[tuple[Any, ...]] = set()
 _gpu_names: dict[tuple[str, int], Any] = {}
@@ -334,8 +370,49 @@ def _shipped_tables() -> Tables:
         for f in sorted(folder.iterdir(), key=lambda f: f.name):
             if f.name.endswith(".yaml"):
                 t.merge(parse_tables(f.read_text(), f"fusetune/shipped_tables/{f.name}", None))
+        for paths in _package_tables.values():
+            for p in paths:
+                t.merge(read_tables(p, None))
         _shipped = t
     return _shipped
+
+
+def add_package_tables(kernel: str, paths: tuple[str, ...]) -> None:
+    """Reads these table files (a package's own, for its kernel `kernel`) with the shipped
+    tables, from the next lookup on (a TableError then, where one is missing or malformed)."""
+    global _shipped
+    with _lock:
+        _package_tables[kernel] = paths
+        _shipped = None
+        _cache.clear()
+
+
+def tuned_cache_path() -> Path:
+    """The per-user cache of configs tuned at run time (fusetune.autotune(on_miss="tune"),
+    written by fusetune.tuned_cache): $FUSETUNE_CACHE where set (a file), else
+    $XDG_CACHE_HOME/fusetune/tuned.yaml (~/.cache/fusetune/tuned.yaml)."""
+    if os.environ.get(TUNED_CACHE_ENV):
+        return Path(os.environ[TUNED_CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fusetune" / "tuned.yaml"
+
+
+def _tuned_tables() -> Tables:
+    """The per-user cache's entries (none where there is no cache yet). A cache the runtime
+    cannot read is a TableError naming the file: delete it to start over."""
+    global _tuned
+    if _tuned is None:
+        p = tuned_cache_path()
+        _tuned = parse_tables(p.read_text(), str(p), None) if p.is_file() else Tables()
+    return _tuned
+
+
+def forget_tuned() -> None:
+    """Reads the per-user cache again at the next lookup (after a process stored in it)."""
+    global _tuned
+    with _lock:
+        _tuned = None
+        _cache.clear()
 
 
 def _user_tables() -> Tables | None:
@@ -349,18 +426,23 @@ def _user_tables() -> Tables | None:
     return _user
 
 
-def _tables_in_order() -> list[Tables]:
+def _tables_in_order() -> Iterator[Tables]:
     """The tables a lookup reads, in the order it reads them: the loaded ones (load_tables,
-    FUSETUNE_TABLES), then the shipped ones."""
+    FUSETUNE_TABLES), the shipped ones (fusetune's and packages'), then the per-user cache of
+    configs tuned at run time. Each is read when the lookup first gets to it: one answered
+    by a loaded table reads no shipped file."""
     user = _user_tables()
-    return [user, _shipped_tables()] if user is not None else [_shipped_tables()]
+    if user is not None:
+        yield user
+    yield _shipped_tables()
+    yield _tuned_tables()
 
 
 def reset() -> None:
     """Forgets loaded tables, cached lookups and warnings (FUSETUNE_TABLES is read again)."""
-    global _user, _shipped
+    global _user, _shipped, _tuned
     with _lock:
-        _user, _shipped = None, None
+        _user, _shipped, _tuned = None, None, None
         _cache.clear()
         clear_memos()
         _warned.clear()
@@ -435,9 +517,11 @@ def _search_command(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: 
     one batch of that many sequences of one token covers."""
     where = (["--backend", "interpreter"] if gpu.name == "interpreter"
              else ["--gpu", gpu.name])
-    args = ["fusetune", "search", "--kernel", spec.name, *where,
-            "--dims", ",".join(f"{k}={v}" for k, v in dims),
-            "--batch", str(max(rows, 1)), "--seq", "1", "--dtype", dtype]
+    args = ["fusetune", "search", "--kernel", spec.search_ref, *where,
+            "--dims", ",".join(f"{k}={v}" for k, v in dims)]
+    if not spec.rows:  # keyed by its arguments: no rows, and its inputs set the other dtypes
+        return shlex.join([*args, "--dtype", dtype])
+    args += ["--batch", str(max(rows, 1)), "--seq", "1", "--dtype", dtype]
     if weights:
         args += ["--weights", weights]
     if activations:
@@ -532,6 +616,8 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
                 if one_row and r != 1:
                     continue
                 info = tables.info.get((key, r), EntryInfo())
+                if not _usable(spec, info, key, r):
+                    continue
                 d = _distance(dims, point.rows, key[2], r)
                 if d <= NEARBY_DISTANCE and not info.marginal:
                     found.append((d, r, key[2], config, info))
@@ -549,6 +635,67 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
             continue  # its tiles fit the other dims, not these: more of them masked off
         return Resolution(c, "nearby", r, other_dims, info.speedup)
     return None
+
+
+def _triton_version() -> str:
+    """The installed Triton's version, without importing Triton where it is not loaded yet."""
+    module = sys.modules.get("triton")
+    if module is not None and getattr(module, "__version__", None):
+        return str(module.__version__)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("triton")
+    except PackageNotFoundError:
+        return "none"
+
+
+def other_triton_policy(spec: KernelSpec) -> str:
+    """What the lookup does with spec's entries tuned with another Triton version:
+    FUSETUNE_OTHER_TRITON where set, else the kernel's own (KernelSpec.other_triton)."""
+    policy = os.environ.get(OTHER_TRITON_ENV) or spec.other_triton
+    if policy not in OTHER_TRITON_CHOICES:
+        raise ValueError(f"{OTHER_TRITON_ENV}={policy!r}: expected one of "
+                         f"{', '.join(OTHER_TRITON_CHOICES)}")
+    return policy
+
+
+def _usable(spec: KernelSpec, info: EntryInfo, group: GroupKey, rows: int) -> bool:
+    """Whether an entry may be served: one tuned for another version of the kernel's source
+    never is (its configs were measured, and checked, on other code); one tuned with another
+    Triton version as other_triton_policy says. Each refusal and each other version served
+    warns once, naming the kernel and what to run."""
+    kernel = spec.name
+    if info.source is not None and info.source != spec.source_hash:
+        warn_key = ("source", kernel, info.source)
+        if warn_key not in _warned:
+            _warned.add(warn_key)
+            warnings.warn(
+                f"fusetune: tables hold entries of {kernel} tuned for another version of its "
+                f"source ({info.source}; this one is {spec.source_hash}): they are not served. "
+                f"Tune it again, e.g. `fusetune search --kernel {spec.search_ref} --points "
+                "TABLE` over the table that held them, and export.",
+                FusetuneWarning, stacklevel=_caller_stacklevel())
+        return False
+    if info.triton is None:
+        return True
+    installed = _triton_version()
+    if info.triton == installed:
+        return True
+    policy = other_triton_policy(spec)
+    if policy == "ignore":
+        return True
+    warn_key = ("triton", kernel, info.triton)
+    if warn_key not in _warned:
+        _warned.add(warn_key)
+        served = ("served (set FUSETUNE_OTHER_TRITON=refuse to refuse them)" if policy == "warn"
+                  else "not served (FUSETUNE_OTHER_TRITON=refuse or the kernel's setting)")
+        warnings.warn(
+            f"fusetune: entries of {kernel} were tuned with Triton {info.triton}, this is "
+            f"Triton {installed}: {served}. Re-tune with `fusetune search --kernel "
+            f"{spec.search_ref} --points TABLE` over the table that holds them.",
+            FusetuneWarning, stacklevel=_caller_stacklevel())
+    return policy == "warn"
 
 
 def _resolution(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str, rows: int,
@@ -569,6 +716,9 @@ def _resolution(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str,
         tables.check(spec)
         entries = tables.groups.get(group)
         if entries:
+            entries = [(r, c) for r, c in entries
+                       if _usable(spec, tables.info.get((group, r), EntryInfo()), group, r)]
+        if entries:
             found = _covering(rows, entries, serves, spec.row_reach)
             if found is not None:
                 r, config = found
@@ -578,7 +728,7 @@ def _resolution(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str,
                                   "exact" if r == rows else "rows", r, dims, info.speedup,
                                   info.marginal)
             tuned = tuned or entries
-    near = _nearby(spec, group, point, gpu)
+    near = _nearby(spec, group, point, gpu) if spec.rows else None
     if near is not None:
         return near
     if warn and group not in _warned:
@@ -645,8 +795,8 @@ def _query(spec: KernelSpec, dims: Mapping[str, int], dtype: str, rows: int, wei
     tables key them and the activation mode of these weights."""
     if rows < 0:
         raise ValueError(f"rows={rows} must be >= 0")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    if dtype not in spec.dtypes:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(spec.dtypes)}")
     _check_dims(spec, dims)
     return tuple(sorted(dims.items())), spec.point_activations(activations, weights)
 
@@ -675,7 +825,7 @@ def lookup(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,
            weights: str = "", activations: str = "", gpu: str | None = None,
            device: Any = None) -> Config:
     """The config spec's kernel launches with for this GPU and shape (a copy), with weights
-    `weights` and activation mode `activations` (see fusetune.kernels._spec.Point).
+    `weights` and activation mode `activations` (see fusetune.spec.Point).
 
     `gpu` names a catalogue GPU ("h100", "3090", "interpreter"); by default the GPU of
     `device` (or the current CUDA device; the interpreter when there is none).

@@ -29,7 +29,7 @@ from fusetune.runtime import (
 )
 
 if TYPE_CHECKING:
-    from fusetune.kernels._spec import Config, KernelSpec
+    from fusetune.spec import Config, KernelSpec
 
 __all__ = ["ENV_VAR", "SCHEMA_VERSION", "FusetuneWarning", "TableError", "Tables", "TunedEntry",
            "canonical_gpu", "gpu_for_device", "load_tables", "lookup", "parse_tables",

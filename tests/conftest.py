@@ -14,6 +14,7 @@ two cores). The tests' tensors are tiny: one thread loses nothing.
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,10 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # see above
 
 import torch  # (after OMP_NUM_THREADS on purpose)
+
+# Configs tuned at run time go to a cache of this test process, never to the user's.
+os.environ["FUSETUNE_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="fusetune-test-cache-"),
+                                            "tuned.yaml")
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

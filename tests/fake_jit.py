@@ -18,7 +18,7 @@ import fake_kernels
 from fake_kernels import log
 from triton.runtime.jit import JITFunction
 
-from fusetune.kernels._spec import Config, Tensors
+from fusetune.spec import Config, Tensors
 
 MODE_WITH_KERNELS = 7
 

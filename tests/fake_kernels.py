@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fusetune.kernels._spec import Config, Cost, KernelSpec, Point, Resources, Tensors
+from fusetune.spec import Config, Cost, KernelSpec, Point, Resources, Tensors
 from fusetune.tuner.space import config_key
 
 MODES = {1: "ok", 2: "crash", 3: "hang", 4: "raise", 5: "wrong", 6: "device lost"}

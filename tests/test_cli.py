@@ -336,7 +336,8 @@ def test_show_and_export_check_the_kernel_name(sqlite_url: str, tmp_path: Path) 
         r = invoke(*command, "--db", sqlite_url, "--kernel", "rmsnrom")
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), repr(r.exception)
         assert ("unknown kernel 'rmsnrom'; valid: ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, "
-                "rope, rope_bwd, swiglu, swiglu_bwd; or one that sqlite:///") in r.output, r.output
+                "rope, rope_bwd, swiglu, swiglu_bwd; or package.module:name of a kernel "
+                "declared with @fusetune.autotune; or one that sqlite:///") in r.output, r.output
         assert "holds: retired" in r.output and "fusetune search" not in r.output, r.output
         assert not out.exists()
     r = invoke("show", "--db", sqlite_url, "--kernel", "retired")

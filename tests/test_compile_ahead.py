@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 
 from fusetune import gpus
 from fusetune.db.store import Store
-from fusetune.kernels._spec import Config, Point
+from fusetune.spec import Config, Point
 from fusetune.tuner import compile_ahead
 from fusetune.tuner.compile_ahead import (
     COMPILED,

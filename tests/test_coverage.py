@@ -16,8 +16,8 @@ from click.testing import CliRunner
 import fusetune
 from fusetune import cli, gpus, runtime
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Point, check_fits
 from fusetune.runtime import NEARBY_DISTANCE
+from fusetune.spec import Point, check_fits
 
 FFN = get_spec("ffn")
 TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PASSES": 2, "SPLIT_K": 1,

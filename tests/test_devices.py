@@ -26,7 +26,8 @@ from fusetune import cli, gpus
 from fusetune.db.store import Store
 from fusetune.gpus import GpuNotFoundError, VisibleGpu, match_device_name, select_devices
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Config, Point
+from fusetune.spec import Config, Point
+from fusetune.tuner import study
 from fusetune.tuner.bench import Outcome
 from fusetune.tuner.devices import DeviceSearch, PointQueue
 from fusetune.tuner.search import open_storage
@@ -45,6 +46,16 @@ SPEC = get_spec("rmsnorm")
 SPACE = load_space(SPEC)
 # Feasible configs per point on the interpreter at dim 64, in this order: 6, 18, 12, 24.
 POINTS = [Point.make("rmsnorm", {"dim": 64}, b, s, "float16") for s in (1, 2) for b in (1, 3)]
+
+
+@pytest.fixture(autouse=True)
+def _quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device finishing a point looks this often whether the other devices' trials there
+    ended (study.WAIT_POLL_S, 0.5 s, allows for other processes and hosts): the devices here
+    are threads of this process, a poll costs them a few queries. The same code runs, it waits
+    less. (CLAIM_DELAY_S stays: the instant between a device's ask and its claim can take
+    longer than a fraction of a second on a loaded machine.)"""
+    monkeypatch.setattr(study, "WAIT_POLL_S", 0.02)
 
 
 def fake_us(point: Point, config: Config) -> float:

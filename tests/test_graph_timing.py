@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Point
+from fusetune.spec import Point
 from fusetune.tuner.bench import Evaluator, captured_launch
 
 

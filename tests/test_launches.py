@@ -167,7 +167,7 @@ def test_results_tables_of_an_earlier_version_get_the_new_columns(db_url: str) -
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_real_kernels_report_registers_and_shared_memory(split_k: int) -> None:
     from fusetune.kernels import get_spec
-    from fusetune.kernels._spec import Point
+    from fusetune.spec import Point
     from fusetune.tables import gpu_for_device
 
     spec = get_spec("ffn")

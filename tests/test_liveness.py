@@ -23,7 +23,7 @@ from fusetune import gpus
 from fusetune.db.models import RunningRow
 from fusetune.db.store import Store
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Point
+from fusetune.spec import Point
 from fusetune.tuner import liveness
 from fusetune.tuner.search import open_storage
 from fusetune.tuner.space import config_key, load_space, make_plan

@@ -26,7 +26,7 @@ from fusetune.kernels import rmsnorm_bwd as rmsnorm_bwd_mod
 from fusetune.kernels import rope as rope_mod
 from fusetune.kernels import swiglu as swiglu_mod
 from fusetune.kernels._rotary import rotary_tables
-from fusetune.kernels._spec import ConfigError
+from fusetune.spec import ConfigError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

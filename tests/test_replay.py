@@ -24,7 +24,7 @@ from rich.console import Console
 
 from fusetune import cli, gpus
 from fusetune.db.store import PointKey, Store
-from fusetune.kernels._spec import Config, Cost, KernelSpec, Point, Resources
+from fusetune.spec import Config, Cost, KernelSpec, Point, Resources
 from fusetune.tuner.grid import GridError, Measured, StoredGrid, load_grid
 from fusetune.tuner.replay import (
     THRESHOLDS,

@@ -14,7 +14,7 @@ import fusetune
 from fusetune import gpus
 from fusetune.db.store import PointKey, Store
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Point
+from fusetune.spec import Point
 from fusetune.tuner.seeds import (
     neighbour_winners,
     point_distance,

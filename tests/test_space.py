@@ -7,7 +7,7 @@ from optuna.trial import FixedTrial
 
 from fusetune import gpus
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Point, check_fits
+from fusetune.spec import Point, check_fits
 from fusetune.tuner.space import SpaceError, config_key, load_space, make_plan, parse_space
 
 SPEC = get_spec("rmsnorm")
@@ -50,7 +50,8 @@ def test_load_user_space(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        (GOOD.replace("{values: [1, 2]}", "{range: [1, 2]}"), r"num_stages: unknown kind 'range'"),
+        (GOOD.replace("{values: [1, 2]}", "{choice: [1, 2]}"),
+         r"num_stages: unknown kind 'choice'; valid: pow2, values, range"),
         (GOOD.replace("[64, 1024]", "[48, 1024]"), r"BLOCK_D: pow2 needs .*\[48, 1024\]"),
         (GOOD.replace("[64, 1024]", "[1024, 64]"), r"BLOCK_D: pow2 needs .*lo <= hi"),
         (GOOD.replace("  num_stages: {values: [1, 2]}\n", ""),

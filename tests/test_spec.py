@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from fusetune import gpus
-from fusetune.kernels._spec import Cost, Resources, check_fits
+from fusetune.spec import Cost, Resources, check_fits
 
 
 def test_floor_is_the_larger_of_bytes_and_flops_time() -> None:

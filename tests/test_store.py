@@ -22,6 +22,7 @@ from sqlalchemy import UniqueConstraint as Unique
 from fusetune import export, tables
 from fusetune.db.models import RunningRow, utcnow
 from fusetune.db.store import PointKey, Store, StoreError, make_engine, normalize_url
+from fusetune.kernels import get_spec
 from fusetune.tuner import liveness
 from fusetune.tuner.search import open_storage
 from fusetune.tuner.space import config_key
@@ -33,10 +34,15 @@ CFG_B = {"BLOCK_D": 64, "ROWS": 2, "num_warps": 8, "num_stages": 1}
 CFG_C = {"BLOCK_D": 128, "ROWS": 4, "num_warps": 2, "num_stages": 2}
 
 
+# The kernel's own source hash: exported entries name it, and the lookup serves only those of
+# the source it runs.
+RMSNORM_HASH = get_spec("rmsnorm").source_hash
+
+
 def key(gpu: str = "h100-sxm", batch: int = 1, seq: int = 1, dim: int = 64,
         dtype: str = "float16", kernel: str = "rmsnorm", **kw: str) -> PointKey:
     base = dict(gpu=gpu, kernel=kernel, dims={"dim": dim}, batch=batch, seq=seq, dtype=dtype,
-                weights="", backend="cuda", kernel_hash="abc123", triton_version="3.9.0",
+                weights="", backend="cuda", kernel_hash=RMSNORM_HASH, triton_version="3.9.0",
                 torch_version="2.13.0")
     base.update(kw)
     return PointKey(**base)
@@ -56,7 +62,8 @@ def test_point_id_is_idempotent(db_url: str) -> None:
     assert (p.gpu, p.kernel, p.dims, p.batch, p.seq, p.dtype) == (
         "h100-sxm", "rmsnorm", '{"dim":64}', 1, 1, "float16")
     assert p.study_name == key().study_name
-    assert "fusetune/h100-sxm/rmsnorm/dim=64/b=1/s=1/float16/cuda/k=abc123" in p.study_name
+    assert (f"fusetune/h100-sxm/rmsnorm/dim=64/b=1/s=1/float16/cuda/k={RMSNORM_HASH}"
+            in p.study_name)
 
 
 def test_points_of_one_kernel_and_of_one_shape(db_url: str) -> None:

@@ -21,7 +21,7 @@ from cli_helpers import invoke
 import fusetune
 from fusetune import gpus, runtime, tables
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Point
+from fusetune.spec import Point
 
 pytestmark = pytest.mark.usefixtures("fresh_tables")
 

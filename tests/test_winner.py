@@ -11,7 +11,7 @@ import pytest
 from fusetune import export, gpus
 from fusetune.db.store import Store
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import Config, Point
+from fusetune.spec import Config, Point
 from fusetune.tuner.search import open_storage
 from fusetune.tuner.space import config_key, load_space, make_plan
 from fusetune.tuner.study import Context, PointResult, PointTuner, SearchOptions

@@ -53,7 +53,7 @@ from torch import nn
 # the training path's ops: the public functions, which torch.compile traces as custom ops
 from fusetune.api import rmsnorm, rope, swiglu
 from fusetune.integrations.hf_check import self_check
-from fusetune.kernels._spec import DTYPES, WEIGHT_FORMATS
+from fusetune.spec import DTYPES, WEIGHT_FORMATS
 
 _STATE = "_fusetune_patch"  # attribute of the patched base model (LlamaModel, ...)
 # the transformers releases whose model forwards the patched ones were checked against; the
@@ -372,7 +372,7 @@ def _check_norm(norm: nn.Module, at: str) -> None:
 def _check_tensors(where: str, base: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
     """One dtype among float16/bfloat16/float32 for every patched weight, and one device per
     layer: CUDA, or the CPU under Triton's interpreter (as the kernels require)."""
-    from fusetune.kernels._spec import interpreting
+    from fusetune.spec import interpreting
 
     dtypes = {p.dtype for _, m in [*layers, ("norm", base.norm)] for p in m.parameters()}
     if len(dtypes) != 1 or str(next(iter(dtypes))).removeprefix("torch.") not in DTYPES:

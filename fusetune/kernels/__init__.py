@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fusetune import registry
 from fusetune.kernels import ffn as _ffn
 from fusetune.kernels import linear as _linear
 from fusetune.kernels import lola as _lola
@@ -12,7 +13,7 @@ from fusetune.kernels import rope as _rope
 from fusetune.kernels import rope_bwd as _rope_bwd
 from fusetune.kernels import swiglu as _swiglu
 from fusetune.kernels import swiglu_bwd as _swiglu_bwd
-from fusetune.kernels._spec import KernelSpec
+from fusetune.spec import KernelSpec
 
 REGISTRY: dict[str, KernelSpec] = {
     _rmsnorm.SPEC.name: _rmsnorm.SPEC,
@@ -29,7 +30,17 @@ REGISTRY: dict[str, KernelSpec] = {
 
 
 def get_spec(name: str) -> KernelSpec:
-    """The spec of kernel `name`; ValueError naming the valid kernels."""
-    if name not in REGISTRY:
-        raise ValueError(f"unknown kernel {name!r}; valid: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[name]
+    """The spec of kernel `name`: fusetune's own, one declared with fusetune.autotune in this
+    process, one an installed package registers (entry-point group `fusetune.kernels`), or
+    "package.module:attribute" of a kernel declared with fusetune.autotune. ValueError naming
+    the valid kernels."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    spec = registry.find(name)
+    if spec is None:
+        others = registry.registered()
+        raise ValueError(
+            f"unknown kernel {name!r}; valid: {', '.join(sorted(REGISTRY))}"
+            + (f"; registered by installed packages: {', '.join(others)}" if others else "")
+            + "; or package.module:name of a kernel declared with @fusetune.autotune")
+    return spec

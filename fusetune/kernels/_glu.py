@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from fusetune.gpus import GpuSpec
-from fusetune.kernels._spec import (
+from fusetune.models import ModelPreset
+from fusetune.spec import (
     Config,
     KernelSpec,
     Point,
@@ -26,7 +27,6 @@ from fusetune.kernels._spec import (
     next_pow2,
     torch_dtype,
 )
-from fusetune.models import ModelPreset
 
 DIM_NAMES = ("hidden",)
 CONFIG_KEYS = ("BLOCK", "ROWS", "num_warps")

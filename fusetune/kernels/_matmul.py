@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusetune.gpus import GpuSpec
-from fusetune.kernels._spec import (
+from fusetune.spec import (
     DTYPE_BYTES,
     Config,
     Point,

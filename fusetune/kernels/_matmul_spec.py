@@ -25,7 +25,7 @@ from fusetune.kernels._matmul import (
     pipelined_smem,
     tma_smem,
 )
-from fusetune.kernels._spec import (
+from fusetune.spec import (
     ACTIVATION_MODES,
     DTYPE_BYTES,
     WEIGHT_FORMATS,

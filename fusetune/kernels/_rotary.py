@@ -21,7 +21,8 @@ import triton.language as tl
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._direct import direct
-from fusetune.kernels._spec import (
+from fusetune.models import ModelPreset
+from fusetune.spec import (
     DTYPE_BYTES,
     Config,
     Cost,
@@ -34,7 +35,6 @@ from fusetune.kernels._spec import (
     next_pow2,
     torch_dtype,
 )
-from fusetune.models import ModelPreset
 
 DIM_NAMES = ("head_dim", "heads", "interleaved")
 CONFIG_KEYS = ("BLOCK_T", "BLOCK_H", "num_warps")

@@ -50,7 +50,9 @@ from fusetune.kernels._matmul_spec import (
     weight_bytes,
 )
 from fusetune.kernels._replay import scratch
-from fusetune.kernels._spec import (
+from fusetune.kernels.rmsnorm import _rmsnorm_kernel, norm_rows
+from fusetune.models import ModelPreset
+from fusetune.spec import (
     DTYPE_BYTES,
     Config,
     Cost,
@@ -66,8 +68,6 @@ from fusetune.kernels._spec import (
     dtype_name,
     torch_dtype,
 )
-from fusetune.kernels.rmsnorm import _rmsnorm_kernel, norm_rows
-from fusetune.models import ModelPreset
 
 
 @triton.jit

@@ -32,7 +32,7 @@ import triton.language as tl
 from fusetune.kernels._direct import direct
 from fusetune.kernels._matmul import cuda_capability, row_norm_stats
 from fusetune.kernels._replay import scratch
-from fusetune.kernels._spec import (
+from fusetune.spec import (
     DTYPE_BYTES,
     WEIGHT_FORMATS,
     Config,

@@ -68,7 +68,8 @@ from fusetune.kernels._matmul_spec import (
     weight_bytes,
 )
 from fusetune.kernels._replay import scratch
-from fusetune.kernels._spec import (
+from fusetune.models import ModelPreset
+from fusetune.spec import (
     DTYPE_BYTES,
     Config,
     Cost,
@@ -84,7 +85,6 @@ from fusetune.kernels._spec import (
     dtype_name,
     torch_dtype,
 )
-from fusetune.models import ModelPreset
 
 # The one K loop linear has: the matmul kernels' loop without a norm folded in, operands to
 # the tensor cores as loaded (PASSES = 2).

@@ -54,7 +54,8 @@ from fusetune.kernels._matmul_spec import (
     matmul_resources,
     weight_bytes,
 )
-from fusetune.kernels._spec import (
+from fusetune.models import ModelPreset
+from fusetune.spec import (
     DTYPE_BYTES,
     Config,
     Cost,
@@ -71,7 +72,6 @@ from fusetune.kernels._spec import (
     next_pow2,
     torch_dtype,
 )
-from fusetune.models import ModelPreset
 
 
 @triton.jit

@@ -63,7 +63,9 @@ from fusetune.kernels._matmul_spec import (
 )
 from fusetune.kernels._replay import scratch
 from fusetune.kernels._rotary import as_tables, check_tables, rotary_tables, rotated
-from fusetune.kernels._spec import (
+from fusetune.kernels.rmsnorm import _rmsnorm_kernel, norm_rows
+from fusetune.models import ModelPreset
+from fusetune.spec import (
     DTYPE_BYTES,
     Config,
     Cost,
@@ -78,8 +80,6 @@ from fusetune.kernels._spec import (
     dtype_name,
     torch_dtype,
 )
-from fusetune.kernels.rmsnorm import _rmsnorm_kernel, norm_rows
-from fusetune.models import ModelPreset
 
 
 @triton.jit

@@ -20,7 +20,9 @@ from fusetune.gpus import GpuSpec
 from fusetune.kernels._call_memo import CallMemo, tensor_key
 from fusetune.kernels._direct import direct
 from fusetune.kernels._replay import scratch
-from fusetune.kernels._spec import (
+from fusetune.kernels.rmsnorm_bwd import rmsnorm_bwd
+from fusetune.models import ModelPreset
+from fusetune.spec import (
     DTYPE_BYTES,
     Config,
     Cost,
@@ -36,8 +38,6 @@ from fusetune.kernels._spec import (
     next_pow2,
     torch_dtype,
 )
-from fusetune.kernels.rmsnorm_bwd import rmsnorm_bwd
-from fusetune.models import ModelPreset
 
 
 @triton.jit

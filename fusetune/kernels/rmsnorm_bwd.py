@@ -36,7 +36,8 @@ import triton.language as tl
 
 from fusetune.gpus import GpuSpec
 from fusetune.kernels._direct import direct
-from fusetune.kernels._spec import (
+from fusetune.models import ModelPreset
+from fusetune.spec import (
     DTYPE_BYTES,
     Config,
     Cost,
@@ -53,7 +54,6 @@ from fusetune.kernels._spec import (
     next_pow2,
     torch_dtype,
 )
-from fusetune.models import ModelPreset
 
 # The reduction of the partial rows: columns per program and partial rows per step. It reads
 # programs × D float32 (a small part of what the main kernel moves while programs ≪ rows), so

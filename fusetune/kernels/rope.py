@@ -27,8 +27,8 @@ from torch.autograd.function import once_differentiable
 
 from fusetune.kernels import _rotary
 from fusetune.kernels._rotary import check_tables, check_x, rotary_tables, rotate, rotated
-from fusetune.kernels._spec import Config, KernelSpec, Point, Tensors
 from fusetune.kernels.rope_bwd import rope_bwd
+from fusetune.spec import Config, KernelSpec, Point, Tensors
 
 __all__ = ["SPEC", "check_tables", "rope", "rotary_tables", "rotated"]
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from fusetune.kernels import _rotary
-from fusetune.kernels._spec import Config, KernelSpec, Point, Tensors, check_no_grad
+from fusetune.spec import Config, KernelSpec, Point, Tensors, check_no_grad
 
 
 def rope_bwd(

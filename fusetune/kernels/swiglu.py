@@ -22,7 +22,8 @@ from torch.autograd.function import once_differentiable
 
 from fusetune.kernels import _glu
 from fusetune.kernels._direct import direct
-from fusetune.kernels._spec import (
+from fusetune.kernels.swiglu_bwd import swiglu_bwd
+from fusetune.spec import (
     DTYPE_BYTES,
     Config,
     Cost,
@@ -31,7 +32,6 @@ from fusetune.kernels._spec import (
     Resources,
     Tensors,
 )
-from fusetune.kernels.swiglu_bwd import swiglu_bwd
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from fusetune.kernels import _glu
 from fusetune.kernels._direct import direct
-from fusetune.kernels._spec import (
+from fusetune.spec import (
     DTYPE_BYTES,
     Config,
     Cost,

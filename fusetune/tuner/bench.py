@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fusetune.kernels._spec import Config, KernelSpec, Point
+from fusetune.spec import Config, KernelSpec, Point
 from fusetune.tuner.launches import KernelStats, kernel_stats, launched_kernels
 
 # Statuses of a result; "ok" is the only one that can win.
@@ -72,9 +72,26 @@ def classify_exception(exc: BaseException) -> tuple[str, str]:
     name = type(exc).__name__
     if "PTXAS" in name.upper() or "compil" in name.lower():
         return "compile_error", f"{name}: {msg}"
+    if name == "InterpreterError" and _language_check(exc.__cause__):
+        # Triton's interpreter runs the kernel's Python: what a compile would refuse on a GPU
+        # (a static_assert, a shape or range the language rejects) raises while it runs.
+        return "compile_error", f"{name}: {msg} (the compiler's check, in the interpreter)"
     if any(m in msg.lower() for m in _FATAL_MARKERS):
         return "crashed", f"{name}: {msg}"
     return "runtime_error", f"{name}: {msg}"
+
+
+def _language_check(exc: BaseException | None) -> bool:
+    """Whether `exc` was raised by Triton's language layer (its checks of shapes, ranges and
+    types, or a static_assert), not by the kernel's memory accesses or the host."""
+    tb = exc.__traceback__ if exc is not None else None
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    path = code.co_filename.replace("\\", "/")
+    return "/triton/language/" in path or code.co_name == "_new_static_assert"
 
 
 # Points whose roofline floor (floor_us) is below this many µs are timed as graph replays.
@@ -165,7 +182,11 @@ class Evaluator:
 
     def _check(self, config: Config, kernels: list[Any]) -> Outcome:
         for t in self.outputs.values():
-            t.fill_(float("nan"))  # an element the kernel fails to write stays NaN
+            # An element the kernel fails to write stays NaN (integers: their largest value)
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            elif t.dtype != torch.bool:
+                t.fill_(torch.iinfo(t.dtype).max)
         t0 = time.perf_counter()
         try:
             with launched_kernels(kernels):
@@ -180,7 +201,9 @@ class Evaluator:
         worst = 0.0
         tol = self.spec.tolerance_for(self.point)  # the point's mode's, whatever the config
         for name, ref in self.reference.items():
-            out = self.outputs[name].float()
+            out = self.outputs[name]
+            out = out if out.dtype == torch.float64 else out.float()
+            ref = ref if ref.is_floating_point() else ref.float()
             if not torch.isfinite(out).all():
                 bad = int((~torch.isfinite(out)).sum())
                 return Outcome("wrong_result", f"{name}: {bad} non-finite elements "

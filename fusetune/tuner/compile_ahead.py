@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from fusetune.kernels._spec import Config, KernelSpec, Point
+from fusetune.spec import Config, KernelSpec, Point
 from fusetune.tuner.children import death, start_child
 from fusetune.tuner.space import config_key
 

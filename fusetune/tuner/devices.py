@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from fusetune.kernels._spec import Point
+from fusetune.spec import Point
 from fusetune.tuner.study import Context, PointResult, PointTuner, Progress, SearchOptions
 
 JOIN_POLL_S = 0.2  # how often the calling thread looks whether the devices are done

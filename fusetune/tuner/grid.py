@@ -19,7 +19,7 @@ import optuna
 
 from fusetune import gpus
 from fusetune.db.store import PointKey, Store, safe_url
-from fusetune.kernels._spec import Config, KernelSpec, Point
+from fusetune.spec import Config, KernelSpec, Point
 from fusetune.tuner.seeds import neighbour_winners
 from fusetune.tuner.space import Plan, SearchSpace, config_key, make_plan
 from fusetune.tuner.study import PointResult, PointTuner

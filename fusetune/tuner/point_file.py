@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from fusetune.kernels import get_spec
-from fusetune.kernels._spec import DTYPES, KernelSpec, Point
+from fusetune.spec import DTYPES, KernelSpec, Point
 from fusetune.tuner.search import SearchError
 
 Group = tuple[KernelSpec, list[Point]]
@@ -37,7 +37,7 @@ def load_points(path: str | Path, gpu: str, kernel: str = "all") -> list[Group]:
         raise SearchError(f"--points {path}: cannot read it: {e}") from None
     if kernel != "all":
         try:
-            get_spec(kernel)
+            kernel = get_spec(kernel).name  # "package.module:name" of one's own: its name
         except ValueError as e:
             raise SearchError(str(e)) from None
     raw = _raw_entries(doc, path, gpu)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import optuna
 
-from fusetune.kernels._spec import KernelSpec
+from fusetune.spec import KernelSpec
 from fusetune.tuner.grid import StoredGrid
 from fusetune.tuner.sampling import Proposer, Strategy, max_asks
 from fusetune.tuner.seeds import start_configs

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import TrialState
 
-from fusetune.kernels._spec import Config, KernelSpec, Point
+from fusetune.spec import Config, KernelSpec, Point
 from fusetune.tuner.space import PointPlan, SearchSpace, config_key
 
 # Repeats in a row (the sampler proposing configs already known) before an untried config is

@@ -14,7 +14,7 @@ from fusetune.gpus import GpuSpec
 if TYPE_CHECKING:
     import optuna
 
-    from fusetune.kernels._spec import Point
+    from fusetune.spec import Point
 
 BACKEND_CHOICES = ("auto", "cuda", "interpreter")
 # Small enough for Triton's CPU interpreter to get through a search in a minute or two.
@@ -159,7 +159,7 @@ class Request:
 
 
 def make_points(req: Request) -> list[Point]:
-    from fusetune.kernels._spec import DTYPES, Point
+    from fusetune.spec import DTYPES, Point
 
     for d in req.dtypes:
         if d not in DTYPES:

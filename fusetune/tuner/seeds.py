@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from fusetune import tables
 from fusetune.db.store import PointKey, Store
-from fusetune.kernels._spec import WEIGHT_FORMATS, Config, KernelSpec, Point
+from fusetune.spec import WEIGHT_FORMATS, Config, KernelSpec, Point
 from fusetune.tuner.space import PointPlan, SearchSpace, config_key
 
 NEIGHBOURS = 2  # winners of this many nearest points are tried right after the default

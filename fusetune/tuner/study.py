@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import random
@@ -21,7 +23,7 @@ from optuna.trial import TrialState
 from fusetune.db.models import WinnerRow
 from fusetune.db.store import PointKey, Store
 from fusetune.gpus import GpuSpec
-from fusetune.kernels._spec import Config, Cost, KernelSpec, Point
+from fusetune.spec import Config, Cost, KernelSpec, Point
 from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
 from fusetune.tuner.compile_ahead import COMPILED, CompileAhead
 from fusetune.tuner.liveness import ClaimedElsewhere, Heartbeat, is_stale
@@ -156,6 +158,17 @@ def _fail_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage
             store.release(claim.id)
         failed += 1
     return failed
+
+
+def sampling_study(key: PointKey, space: SearchSpace) -> str:
+    """The name of the Optuna study a search of the point samples in: the point's own, and,
+    for a space that is a list of configs, the list's hash. Its one parameter is the config's
+    index in the list, so another list (a config added, the order changed) samples in a study
+    of its own; the results stored for the point are reused whatever the study."""
+    if space.choices is None:
+        return key.study_name
+    listed = json.dumps([config_key(c) for c in space.choices])
+    return f"{key.study_name}/configs={hashlib.sha256(listed.encode()).hexdigest()[:12]}"
 
 
 def _utc(t: datetime | None) -> datetime | None:
@@ -306,7 +319,8 @@ class PointTuner:
         # Compiling ahead: configs are asked a batch at a time, compiled in parallel, timed in turn
         strategy = SEARCH_STRATEGY if ctx.compiler is None else BATCH_SEARCH_STRATEGY
         study = optuna.create_study(
-            storage=ctx.storage, study_name=self.key.study_name, direction="minimize",
+            storage=ctx.storage, study_name=sampling_study(self.key, ctx.space),
+            direction="minimize",
             load_if_exists=True, sampler=strategy.sampler(opts.seed, target))
         _fail_stale_trials(study, ctx.storage, ctx.store, self.point_id)
         study.set_user_attr("point", self.point.label)

@@ -9,7 +9,6 @@ the same point and goes on.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import multiprocessing as mp
 import os
 import signal
@@ -18,7 +17,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fusetune.kernels._spec import Config, KernelSpec, Point
+from fusetune.spec import Config, KernelSpec, Point
 from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
 from fusetune.tuner.children import death, start_child
 
@@ -27,12 +26,8 @@ CANCEL_POLL_S = 0.1  # how often a call waiting for the worker looks whether it 
 
 
 def resolve_spec(ref: str) -> KernelSpec:
-    """A registered kernel's name, or "module:attribute" of any KernelSpec."""
-    if ":" in ref:
-        module, attr = ref.split(":", 1)
-        spec = getattr(importlib.import_module(module), attr)
-        assert isinstance(spec, KernelSpec), f"{ref} is not a KernelSpec"
-        return spec
+    """The kernel `ref` names: a registered kernel's name, an entry point's, or
+    "module:attribute" of a kernel declared with fusetune.autotune (or any KernelSpec)."""
     from fusetune.kernels import get_spec
 
     return get_spec(ref)

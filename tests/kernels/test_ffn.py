@@ -13,7 +13,7 @@ from fusetune import gpus, ops
 from fusetune.kernels import ffn as ffn_mod
 from fusetune.kernels import fp8
 from fusetune.kernels._matmul_spec import launch_args
-from fusetune.kernels._spec import ConfigError, Point, check_fits, interpreting
+from fusetune.spec import ConfigError, Point, check_fits, interpreting
 from fusetune.tuner.space import load_space
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -37,7 +37,7 @@ from fusetune.kernels import ffn as ffn_mod
 from fusetune.kernels import fp8
 from fusetune.kernels import lola as lola_mod
 from fusetune.kernels import qkv as qkv_mod
-from fusetune.kernels._spec import ConfigError, Point, check_fits
+from fusetune.spec import ConfigError, Point, check_fits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}

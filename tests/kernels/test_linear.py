@@ -13,8 +13,8 @@ import fusetune
 from fusetune import api, gpus, ops, runtime
 from fusetune.kernels import REGISTRY, fp8
 from fusetune.kernels import linear as linear_mod
-from fusetune.kernels._spec import ConfigError, Point, check_fits
 from fusetune.models import preset
+from fusetune.spec import ConfigError, Point, check_fits
 from fusetune.tuner.space import load_space
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

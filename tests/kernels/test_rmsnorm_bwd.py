@@ -12,7 +12,7 @@ import fusetune
 from fusetune import api, gpus
 from fusetune.kernels import REGISTRY, get_spec
 from fusetune.kernels import rmsnorm_bwd as bwd_mod
-from fusetune.kernels._spec import ConfigError, Point, check_fits, next_pow2
+from fusetune.spec import ConfigError, Point, check_fits, next_pow2
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -11,7 +11,7 @@ import torch
 import fusetune
 from fusetune import gpus
 from fusetune.kernels import rope as rope_mod
-from fusetune.kernels._spec import ConfigError, Point
+from fusetune.spec import ConfigError, Point
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # cos and sin in float32 tables: float32 outputs are held to float32 rounding.

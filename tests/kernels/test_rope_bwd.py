@@ -14,7 +14,7 @@ from fusetune.kernels import REGISTRY
 from fusetune.kernels import rope as rope_mod
 from fusetune.kernels import rope_bwd as bwd_mod
 from fusetune.kernels._rotary import rotary_tables, rotated
-from fusetune.kernels._spec import ConfigError, Point
+from fusetune.spec import ConfigError, Point
 from fusetune.tuner.space import load_space, make_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -12,7 +12,7 @@ import fusetune
 from fusetune import api, gpus
 from fusetune.kernels import REGISTRY
 from fusetune.kernels import swiglu as swiglu_mod
-from fusetune.kernels._spec import ConfigError, Point
+from fusetune.spec import ConfigError, Point
 from fusetune.tuner.space import load_space, make_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

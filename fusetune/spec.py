@@ -6,10 +6,12 @@ Nothing here imports the tuner, the database or the tables: the arrows point fro
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import math
 import os
+import re
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,6 +27,10 @@ Tensors = dict[str, Any]
 
 DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+# The torch dtypes a kernel declared with fusetune.autotune may take or key on, by name.
+TORCH_DTYPES: tuple[str, ...] = (
+    "float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "int8", "uint8", "int16", "int32", "int64", "bool")
 
 # Weight formats a point can have besides "" (weights in the activations' dtype): FP8 with one
 # float32 scale per output channel (fusetune.quantize_fp8).
@@ -38,6 +44,9 @@ _SIXTEEN_BIT = {"fp16": "float16", "bf16": "bfloat16"}
 # e4m3 with one scale per row and multiplied by the weights on the FP8 tensor cores. A mode
 # changes the results, so it is the caller's choice and part of every key, never a tunable.
 ACTIVATION_MODES: tuple[str, ...] = ("fp8",)
+
+
+_DEF = re.compile(r"^[ \t]*(async[ \t]+)?def[ \t]", re.MULTILINE)
 
 
 class ConfigError(ValueError):
@@ -191,6 +200,24 @@ class KernelSpec:
       that depends on the point (rmsnorm: whether a row fits one block, or is walked in
       passes); the lookup carries a config to other dims only where its structure there is
       the one it was tuned with (None: no such check).
+
+    What a kernel declared with `fusetune.autotune` (or any kernel outside fusetune) sets
+    besides, where the built-ins keep the defaults:
+    - `ref`: how `fusetune.kernels.get_spec` finds the kernel in another process (a worker):
+      "package.module:attribute", or the name of an entry point of the group
+      `fusetune.kernels` ("": the kernel's name, for the built-ins).
+    - `space`: the search space as data (`fusetune.tuner.space.parse_space_data`), used where
+      no `--space` file is given (None: the shipped `search_spaces/NAME.yaml`).
+    - `dtypes`: the values a point's dtype may take (the dtype of the kernel's first tensor).
+    - `rows`: whether points have rows (batch × seq) that the lookup carries configs across;
+      False: every point has batch 1 and seq 1 and the lookup answers only the exact dims
+      (a kernel keyed by its own arguments, whose configs may not serve other values).
+    - `signature(point)`: the point's Point.weights as the kernel's inputs make it (a user
+      kernel: the dtypes of its other tensors where they differ from the first one's), None
+      where Point.weights is a weight format.
+    - `other_triton`: what the lookup does with an entry tuned with another Triton version:
+      "warn" (serve it, warn once), "refuse" (not served, warn once) or "ignore". The
+      environment variable FUSETUNE_OTHER_TRITON overrides it for every kernel.
     """
 
     name: str
@@ -222,6 +249,23 @@ class KernelSpec:
     one_row_same: tuple[str, ...] = ()
     carry_same: tuple[str, ...] = ()
     structure: Callable[[Config, Point], Hashable] | None = None
+    ref: str = ""
+    space: Mapping[str, Any] | None = None
+    dtypes: tuple[str, ...] = DTYPES
+    rows: bool = True
+    signature: Callable[[Point], str] | None = None
+    other_triton: str = "ignore"
+
+    @property
+    def search_ref(self) -> str:
+        """What `fusetune search --kernel` (and get_spec) takes for this kernel."""
+        return self.ref or self.name
+
+    def accepts_weights(self, weights: str) -> bool:
+        """Whether `weights` may be a point's Point.weights (besides "")."""
+        if self.signature is not None:
+            return all(part in TORCH_DTYPES for part in weights.split(","))
+        return weights in self.weight_formats
 
     def point_weights(self, fmt: str, dtype: str) -> str:
         """Point.weights for weights in format `fmt` (one of WEIGHT_CHOICES) with `dtype`
@@ -251,13 +295,18 @@ class KernelSpec:
             return self.activation_tolerance[point.dtype]
         return self.tolerance[point.dtype]
 
-    @property
+    @functools.cached_property
     def source_hash(self) -> str:
-        """Hash of the kernel's source: results from another version of the kernel never mix."""
+        """Hash of the kernel's source: results from another version of the kernel never mix.
+        Read once, as the process imported it (the code it runs)."""
         h = hashlib.sha256()
         for obj in self.source_objects:
             fn = getattr(obj, "fn", obj)  # a triton JITFunction keeps the Python function in .fn
-            h.update(inspect.getsource(fn).encode())
+            src = inspect.getsource(fn)
+            # From its `def` on: the decorators (@fusetune.autotune's arguments: its space, its
+            # tables) choose among configs, they do not change what a config computes.
+            start = _DEF.search(src)
+            h.update((src[start.start():] if start else src).encode())
         return h.hexdigest()[:12]
 
     def validate_config(self, config: Mapping[str, Any], where: str = "config") -> Config:
