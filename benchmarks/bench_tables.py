@@ -9,15 +9,18 @@ the search times them (do_bench with the L2 flushed; CUDA-graph replays where th
 short), in interleaved rounds. Verdicts use the export's rule for `marginal`: `slower` where the
 entry's median exceeds the default's by more than the larger of their p20-p80 spreads,
 `faster` where it is below by more, else `even`. Marginal entries (the lookup runs the default
-there) are timed as well, their winner against the default. The exit status is 1 where an entry
-the lookup serves (not marginal) is slower than the default, or a config fails. Configs
-compile first in parallel processes (--jobs) into Triton's on-disk cache, which the timing
-process then loads. The timing runs in a spawned process, with --devices one per GPU (the
-entries shared out over several GPUs of one model; an entry and its default always on the same
-GPU): a process that dies (an illegal memory access, a crash of the compiler or the driver)
-fails the entry it was on, with that reason, and a new process goes on with the rest. Ctrl-C
-(or SIGINT from `timeout -s INT`) stops the timing: the entries measured so far are reported,
-the rest counted as not measured.
+there) are timed as well, their winner against the default. Beside them: the kernel's unfused
+form (UNFUSED = 1: the norm, cuBLAS and the epilogue as separate launches; ffn and linear) and
+torch.compile of the model's torch code (ffn, linear, lola, rmsnorm), and what the lookup
+serves against the best of the three ways (fused configs, unfused, torch.compile). The exit
+status is 1 where an entry the lookup serves (not marginal) is slower than the default, or a
+config fails. Configs compile first in parallel processes (--jobs) into Triton's on-disk cache,
+which the timing process then loads. The timing runs in a spawned process, with --devices one
+per GPU (the entries shared out over several GPUs of one model; an entry and its default always
+on the same GPU): a process that dies (an illegal memory access, a crash of the compiler or
+the driver) fails the entry it was on, with that reason, and a new process goes on with the
+rest. Ctrl-C (or SIGINT from `timeout -s INT`) stops the timing: the entries measured so far
+are reported, the rest counted as not measured.
 
 `--device cpu` runs the flow on Triton's interpreter (the interpreter's tables, small dims;
 timings meaningless).
@@ -59,6 +62,10 @@ class Entry:
     times: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     measured: bool = False
+    # Beside the entry and the default: the kernel's unfused form (UNFUSED = 1) where it has
+    # one, and torch.compile of the model's torch code (where COMPILED knows it), in µs.
+    unfused: dict[str, int] | None = None
+    compile_us: list[float] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -143,6 +150,55 @@ def compile_all(todo: list[Entry], device: str, jobs: int) -> None:
           file=sys.stderr)
 
 
+def _eager(kernel: str) -> Callable[[dict[str, Any]], Any] | None:
+    """The model's own torch code for a kernel's inputs (make_inputs' names), FP8 weights
+    upcast with their scales in it, as torch.compile gets it; None where there is none here."""
+    import torch
+    import torch.nn.functional as F
+
+    def w(inputs: dict[str, Any], name: str) -> Any:
+        t, s = inputs[name], inputs.get(f"{name}_scale")
+        return t if s is None else (t.to(inputs["x"].dtype) * s[:, None]).to(inputs["x"].dtype)
+
+    def rms(x: Any, g: Any, eps: float) -> Any:
+        h = x.float()
+        return g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def ffn(i: dict[str, Any]) -> Any:
+        xn = rms(i["x"], i["rms_weight"], i["eps"])
+        return F.silu(F.linear(xn, w(i, "w1"))) * F.linear(xn, w(i, "w3"))
+
+    def linear(i: dict[str, Any]) -> Any:
+        y = F.linear(i["x"], w(i, "weight"), i.get("bias"))
+        return y if i.get("residual") is None else i["residual"] + y
+
+    def lola(i: dict[str, Any]) -> Any:
+        x = i["x"]
+        return F.gelu(F.linear(F.layer_norm(x, (x.shape[-1],), eps=i["eps"]), w(i, "weight"),
+                               i["bias"]))
+
+    return {"ffn": ffn, "linear": linear, "lola": lola,
+            "rmsnorm": lambda i: rms(i["x"], i["weight"], i["eps"])}.get(kernel)
+
+
+def best(e: Entry) -> dict[str, float]:
+    """The medians (µs) the entry is judged against: the best fused config timed (the entry's
+    or the default's), the unfused form, torch.compile of the model's code."""
+    fused = [median3(e.times[k])[1] for k in ("entry", "default")
+             if e.times.get(k) and not (k == "entry" and e.config.get("UNFUSED"))]
+    out = {"fused": min(fused)} if fused else {}
+    if e.times.get("unfused"):
+        out["unfused"] = median3(e.times["unfused"])[1]
+    if e.compile_us:
+        out["compile"] = statistics.median(e.compile_us)
+    return out
+
+
+def served_us(e: Entry) -> float:
+    """What the lookup runs there: the entry's config, or the default's where it is marginal."""
+    return median3(e.times["default" if e.marginal else "entry"])[1]
+
+
 def verdict(e: Entry) -> str:
     if not e.measured:
         return "not measured"
@@ -187,12 +243,28 @@ def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) 
     from fusetune.kernels import get_spec
     from fusetune.tuner.bench import Evaluator
 
-    ev = Evaluator(get_spec(e.kernel), e.point(), backend, device)
+    spec = get_spec(e.kernel)
+    point = e.point()
+    ev = Evaluator(spec, point, backend, device)
     configs = {"entry": e.config, "default": e.default}
+    if spec.algorithm_keys and not point.fp8_activations:
+        e.unfused = spec.canonical({**e.default, "UNFUSED": 1}, point)
+        configs["unfused"] = e.unfused
     for name, c in configs.items():
         out = ev.check(c)
         if not out.ok:
             e.failed[name] = f"{out.status}: {out.reason}"
+    eager = _eager(e.kernel) if backend == "cuda" else None
+    if eager is not None and not e.failed:
+        import torch
+        from triton.testing import do_bench
+
+        compiled = torch.compile(eager)
+        inputs = dict(ev.inputs)
+        compiled(inputs)  # compiles, outside the timing
+        for _ in range(rounds):
+            e.compile_us.append(do_bench(lambda: compiled(inputs), rep=rep_ms,
+                                         return_mode="median") * 1e3)
     if not e.failed:
         e.times = {name: [] for name in configs}
         for _ in range(rounds):
@@ -300,24 +372,32 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
     lines = [f"GPU {name}{many} ({gpu.name}), torch {torch.__version__}, "
              f"Triton {triton.__version__}; µs: medians over the rounds of do_bench's p50 "
              "(L2 flushed); verdict against the larger p20-p80 spread of the two", "",
-             "| entry | marginal | entry µs | default µs | entry / default | verdict |",
-             "|---|---|---:|---:|---:|---|"]
+             "| entry | marginal | entry µs | default µs | entry / default | unfused µs | "
+             "torch.compile µs | served / best | verdict |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     groups: dict[tuple[str, str], Counter[str]] = {}
+    worst = 0.0  # the largest served / min(fused, unfused, torch.compile)
     for e in todo:
         v = verdict(e)
         groups.setdefault((e.kernel, e.weights or e.dtype), Counter())[v] += 1
         if not e.measured:
-            lines.append(f"| {e.label} | {'yes' if e.marginal else ''} | – | – | – | {v} |")
+            lines.append(f"| {e.label} | {'yes' if e.marginal else ''} | – | – | – | – | – | – "
+                         f"| {v} |")
             continue
         if e.failed:
             why = "; ".join(f"{k}: {w}" for k, w in e.failed.items())
-            lines.append(f"| {e.label} | {'yes' if e.marginal else ''} | – | – | – | failed: "
-                         f"{why} |")
+            lines.append(f"| {e.label} | {'yes' if e.marginal else ''} | – | – | – | – | – | – "
+                         f"| failed: {why} |")
             continue
         t, d = median3(e.times["entry"])[1], median3(e.times["default"])[1]
         shown = f"{v} (the lookup runs the default)" if e.marginal and v == "slower" else v
+        b = best(e)
+        unf, comp = b.get("unfused"), b.get("compile")
+        ratio = served_us(e) / min(b.values())
+        worst = max(worst, ratio)
         lines.append(f"| {e.label} | {'yes' if e.marginal else ''} | {t:.2f} | {d:.2f} | "
-                     f"{t / d:.3f} | {shown} |")
+                     f"{t / d:.3f} | {'–' if unf is None else f'{unf:.2f}'} | "
+                     f"{'–' if comp is None else f'{comp:.2f}'} | {ratio:.3f} | {shown} |")
     lines += ["", "| kernel | weights | entries | faster | even | slower | failed | not measured |",
               "|---|---|---:|---:|---:|---:|---:|---:|"]
     total: Counter[str] = Counter()
@@ -331,7 +411,8 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
     # costs nothing. What fails the run: an entry the lookup serves that loses, or fails.
     served_slower = sum(verdict(e) == "slower" and not e.marginal for e in todo)
     lines += ["", f"{served_slower} entries the lookup serves are slower than the default; "
-              f"{total['failed']} failed."]
+              f"{total['failed']} failed. Served against the best of the fused configs timed, "
+              f"the unfused form and torch.compile (served / best): at most {worst:.3f}."]
     text = "\n".join(lines)
     print(text)
     if markdown:
@@ -341,6 +422,7 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
             [{"kernel": e.kernel, "dims": dict(e.dims), "dtype": e.dtype, "rows": e.rows,
               "weights": e.weights, "activations": e.activations, "marginal": e.marginal,
               "config": e.config, "default_config": e.default, "times": e.times,
+              "unfused_config": e.unfused, "compile_us": e.compile_us,
               "failed": e.failed, "verdict": verdict(e)} for e in todo], indent=1))
     return 1 if served_slower or total["failed"] else 0
 

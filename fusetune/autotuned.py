@@ -295,6 +295,7 @@ class TunedKernel:
                 raise ValueError(f"{self.__name__}: {what} names {', '.join(bad)}, which "
                                  f"are not its arguments ({', '.join(self.arg_names)})")
         self._memo: dict[tuple[Any, ...], Config] = {}
+        self._generation = -1  # runtime.generation() of the lookups in _memo
         self._lock = threading.Lock()
         self._kept: dict[Point, set[tuple[tuple[str, int], ...]]] = {}
         self.tuned_now = 0  # configs this process timed for this kernel at run time
@@ -604,6 +605,9 @@ class TunedKernel:
         dims = tuple(sorted((k, _key_value(nargs, k, name)) for k in self.opts.key))
         dtype, weights, device = signature(nargs, self.arg_names)
         memo = (dims, dtype, weights, str(device))
+        if self._generation != runtime.generation():  # other tables now: look up again
+            self._memo.clear()
+            self._generation = runtime.generation()
         config = self._memo.get(memo)
         if config is None:
             with self._lock:

@@ -59,6 +59,8 @@ def _config_str(config: dict[str, int] | None, kernel: str | None = None) -> str
     TMA, ...) at the value that leaving them out means are left out: the same kernel, shorter."""
     if not config:
         return "-"
+    if config.get("UNFUSED"):  # its other keys mean nothing (fusetune/kernels/_unfused.py)
+        return "UNFUSED=1 (norm, cuBLAS GEMM, epilogue as separate launches)"
     flags: dict[str, int] = {}
     if kernel is not None:
         from fusetune.kernels import REGISTRY
@@ -772,7 +774,8 @@ def coverage(model: str | None, points_file: str | None, kernel: str, gpu_name: 
         elif r.tuned_rows is not None:
             origin = f"rows {r.tuned_rows}" + (f" ({MARGINAL_NOTE})" if r.marginal else "")
         t.add_row(r.kernel, r.use, ",".join(f"{k}={v}" for k, v in r.dims.items()), str(r.rows),
-                  r.source, origin, _fmt(r.speedup, ".2f") + ("×" if r.speedup else ""))
+                  r.source + (" (unfused)" if r.unfused else ""), origin,
+                  _fmt(r.speedup, ".2f") + ("×" if r.speedup else ""))
     console.print(t)
     counts = {s: sum(1 for r in report if r.source == s)
               for s in ("exact", "rows", "nearby", "default")}
@@ -837,7 +840,8 @@ def _points_coverage(path: str, kernel: str, gpu_name: str | None, table_paths: 
         dtype = p.dtype + (f" w={p.weights}" if p.weights else "") + (
             f" a={p.activations}" if p.activations else "")
         t.add_row(p.kernel, p.dims_label, str(p.rows), dtype,
-                  r.source + (f" ({MARGINAL_NOTE})" if r.marginal else ""),
+                  r.source + (f" ({MARGINAL_NOTE})" if r.marginal else "")
+                  + (" (unfused)" if r.config.get("UNFUSED") else ""),
                   _fmt(r.speedup, ".2f") + ("×" if r.speedup else ""))
     console.print(t)
     counts = {s: sum(1 for _, _, r in found if r.source == s)

@@ -29,6 +29,7 @@ class CoverageRow:
     tuned_dims: dict[str, int] | None
     speedup: float | None
     marginal: bool
+    unfused: bool = False  # the config runs the unfused form (UNFUSED = 1, kernels/_unfused.py)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -53,5 +54,6 @@ def coverage(model: ModelPreset, gpu: str, dtype: str, weights: str, activations
                               warn=False)
                 out.append(CoverageRow(kernel, use, dims, r, dtype, w, a, res.source, res.rows,
                                        None if res.dims is None else dict(res.dims),
-                                       res.speedup, res.marginal))
+                                       res.speedup, res.marginal,
+                                       bool(res.config.get("UNFUSED"))))
     return out

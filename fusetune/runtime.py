@@ -347,6 +347,22 @@ _warned: set[tuple[Any, ...]] = set()
 _gpu_names: dict[tuple[str, int], Any] = {}
 
 
+_generation = 0  # bumped whenever the tables change: the memos of past lookups are stale
+
+
+def generation() -> int:
+    """A number that changes whenever the tables a lookup reads change (loaded, reset, a
+    package's added, the per-user cache written): callers that remember lookups (a kernel
+    declared with fusetune.autotune) forget them when it moves."""
+    return _generation
+
+
+def _forget_lookups() -> None:
+    global _generation
+    _cache.clear()
+    _generation += 1
+
+
 def load_tables(*paths: str | Path, specs: Mapping[str, KernelSpec] | None) -> Tables:
     """Uses these table files (read with `specs` as parse_tables does) before the shipped
     tables, replacing earlier ones."""
@@ -356,7 +372,7 @@ def load_tables(*paths: str | Path, specs: Mapping[str, KernelSpec] | None) -> T
         tables.merge(read_tables(p, specs))
     with _lock:
         _user = tables
-        _cache.clear()
+        _forget_lookups()
         clear_memos()
         _warned.clear()
     return tables
@@ -384,7 +400,7 @@ def add_package_tables(kernel: str, paths: tuple[str, ...]) -> None:
     with _lock:
         _package_tables[kernel] = paths
         _shipped = None
-        _cache.clear()
+        _forget_lookups()
 
 
 def tuned_cache_path() -> Path:
@@ -412,7 +428,7 @@ def forget_tuned() -> None:
     global _tuned
     with _lock:
         _tuned = None
-        _cache.clear()
+        _forget_lookups()
 
 
 def _user_tables() -> Tables | None:
@@ -443,7 +459,7 @@ def reset() -> None:
     global _user, _shipped, _tuned
     with _lock:
         _user, _shipped, _tuned = None, None, None
-        _cache.clear()
+        _forget_lookups()
         clear_memos()
         _warned.clear()
         _gpu_names.clear()

@@ -200,6 +200,9 @@ class KernelSpec:
       that depends on the point (rmsnorm: whether a row fits one block, or is walked in
       passes); the lookup carries a config to other dims only where its structure there is
       the one it was tuned with (None: no such check).
+    - `algorithm_keys`: flags of config_keys that choose another way to compute the result
+      rather than tune one (the matmul kernels' UNFUSED): every search tries each of them,
+      from the default config, right after the default.
 
     What a kernel declared with `fusetune.autotune` (or any kernel outside fusetune) sets
     besides, where the built-ins keep the defaults:
@@ -255,6 +258,7 @@ class KernelSpec:
     rows: bool = True
     signature: Callable[[Point], str] | None = None
     other_triton: str = "ignore"
+    algorithm_keys: tuple[str, ...] = ()
 
     @property
     def search_ref(self) -> str:

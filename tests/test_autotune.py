@@ -282,8 +282,7 @@ def test_other_triton_warns_or_refuses(ext: Any, own_cache: Path, tmp_path: Path
     with pytest.warns(fusetune.FusetuneWarning, match=r"Triton 0.0.1.*: served"):
         assert ext.axpy_kernel.config_for(_args()) == {"BLOCK": 64, "num_warps": 2}
     monkeypatch.setenv("FUSETUNE_OTHER_TRITON", "refuse")
-    fusetune.load_tables(path)
-    ext.axpy_kernel._memo.clear()
+    fusetune.load_tables(path)  # (loading tables again: the kernel looks up again)
     with pytest.warns(fusetune.FusetuneWarning) as caught:
         config = ext.axpy_kernel.config_for(_args())
     assert config != {"BLOCK": 64, "num_warps": 2}
@@ -355,10 +354,13 @@ def test_space_constraints_ranges_and_lists(ext: Any) -> None:
         parse_space_data({"constraints": []}, spec, "s")
 
 
-def test_prune_configs_by_applies_offline_and_refuses_a_call_it_prunes() -> None:
+def test_prune_configs_by_applies_offline_and_refuses_a_call_it_prunes(
+        tmp_path: Path, own_cache: Path) -> None:
     def early(configs: list, named_args: dict) -> list:
-        # Blocks wider than the vector are left out; the vector's length is the key.
-        return [c for c in configs if c.kwargs["B"] <= max(16, named_args["x_ptr"].numel())]
+        # Blocks wider than the vector are left out, and wide blocks of a strided vector.
+        x = named_args["x_ptr"]
+        return [c for c in configs if c.kwargs["B"] <= max(16, x.numel())
+                and (c.kwargs["B"] <= 16 or x.stride(0) == 1)]
 
     def make(N: int, dtype: torch.dtype, device: str) -> dict:
         return {"x_ptr": torch.zeros(N, dtype=dtype, device=device), "N": N}
@@ -369,11 +371,19 @@ def test_prune_configs_by_applies_offline_and_refuses_a_call_it_prunes() -> None
     point = fusetune.Point.make("ext_pruned", {"N": 16}, 1, 1, "float32")
     assert kernel.spec.resources({"B": 64}, point).unfit.startswith("prune_configs_by")
     assert not kernel.spec.resources({"B": 16}, point).unfit
-    # The pruning reads the tensor, not the key: a call it prunes the served config for fails
-    # loudly rather than running a config its own rule forbids.
-    kernel._memo[((("N", 16),), "float32", "", "cpu")] = {"B": 64}
+    # The pruning reads the tensor's stride, which the key does not hold: a call it prunes
+    # the served config for (tuned on a contiguous vector) fails loudly rather than running
+    # a config its own rule forbids.
+    entry = {"dims": {"N": 64}, "dtype": "float32", "batch": 1, "seq": 1, "config": {"B": 64},
+             "source": kernel.spec.source_hash}
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"schema_version": 1,
+                                    "provenance": {"external_kernels": ["ext_pruned"]},
+                                    "gpus": {"interpreter": {"ext_pruned": [entry]}}}))
+    fusetune.load_tables(path)
+    assert kernel.config_for({"x_ptr": torch.zeros(64), "N": 64}) == {"B": 64}
     with pytest.raises(ValueError, match="early_config_prune leaves out"):
-        kernel[(1,)](torch.zeros(16), 16)
+        kernel[(1,)](torch.zeros(128)[::2], 64)
 
 
 def test_example_package_registers_and_computes(monkeypatch: pytest.MonkeyPatch,

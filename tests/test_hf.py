@@ -23,6 +23,7 @@ pytestmark = pytest.mark.hf
 import fusetune  # noqa: E402
 from fusetune.integrations import hf  # noqa: E402
 from fusetune.integrations.hf_check import SelfCheckError, layer_kinds  # noqa: E402
+from fusetune.kernels import _unfused  # noqa: E402
 from fusetune.kernels.fp8 import quantize_fp8, quantize_rows  # noqa: E402
 
 # --- the ops' contract in plain torch ----------------------------------------------------------
@@ -192,9 +193,14 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
     assert ref_ops == {"qkv": n_layers, "ffn": n_layers, "linear": 2 * n_layers, "rmsnorm": 1}
     assert rel_err(got, want_logits) <= 1e-5
     assert torch.equal(greedy(model, ids, mask), want_tokens)
+    # gate and up: the halves of one matrix (the unfused ffn's one GEMM), no copy kept
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all(_unfused.stacked(m.gate_proj.weight, m.up_proj.weight) is not None for m in mlps)
 
     assert fusetune.unpatch(model) is model
     assert_restored(model, before)
+    assert all(m.gate_proj.weight.untyped_storage().data_ptr()
+               != m.up_proj.weight.untyped_storage().data_ptr() for m in mlps)
     assert torch.equal(logits(model, ids, mask), want_logits)
 
 

@@ -173,9 +173,9 @@ def test_start_configs_move_seeds_outside_the_space_into_it() -> None:
 
 def test_a_winner_stored_before_a_flag_existed_seeds_with_the_flags_default(
         sqlite_url: str, tmp_path: Path, fresh_tables: None) -> None:
-    # Databases written before SPREAD and THREAD_SUM hold winners without them: such a winner
-    # ran with both 0 and seeds the search as that config (it was dropped as an unknown
-    # shape), the same config as its twin in a lookup table (one neighbour, not two).
+    # Databases written before SPREAD, THREAD_SUM and UNFUSED hold winners without them: such
+    # a winner ran with all three 0 and seeds the search as that config (it was dropped as an
+    # unknown shape), the same config as its twin in a lookup table (one neighbour, not two).
     spec = get_spec("ffn")
     point = Point.make("ffn", FFN, 1, 1, "float16")
     gpu = gpus.resolve("h100")
@@ -185,7 +185,7 @@ def test_a_winner_stored_before_a_flag_existed_seeds_with_the_flags_default(
     old = {"BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "GROUP_M": 1, "PASSES": 1,
            "SPLIT_K": 1, "UNROLL_K": 1, "TMA": 0, "num_warps": 8,
            "num_stages": 1}
-    filled = {**old, "SPREAD": 0, "THREAD_SUM": 0}
+    filled = {**old, "SPREAD": 0, "THREAD_SUM": 0, "UNFUSED": 0}
     other = {**filled, "BLOCK_N": 4}
     fusetune.load_tables(table_file(tmp_path / "t.yaml", [
         {"dims": FFN, "dtype": "float16", "batch": 1, "seq": 2, "config": old},
@@ -199,4 +199,5 @@ def test_a_winner_stored_before_a_flag_existed_seeds_with_the_flags_default(
     neighbours = neighbour_winners(store, me, None, flags=spec.flags)
     assert neighbours == [filled, other]
     got = start_configs(spec, point, space, plan, default, neighbours[:1])
-    assert got == [default, filled]
+    # (the unfused form, ffn's other algorithm, right after the default)
+    assert got == [default, spec.canonical({**default, "UNFUSED": 1}, point), filled]

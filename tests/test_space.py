@@ -181,8 +181,8 @@ params:
     values = {p.name: p.values for p in space.params}
     assert all(values[flag] == (default,) for flag, default in ffn.flags.items())
     assert space.size == 2
-    with pytest.raises(SpaceError, match=r"the flags UNROLL_K, SPREAD, THREAD_SUM, TMA "
-                                         r"may be left out"):
+    with pytest.raises(SpaceError, match=r"the flags UNROLL_K, SPREAD, THREAD_SUM, TMA, "
+                                         r"UNFUSED may be left out"):
         parse_space(text.replace("  num_stages: {values: [3]}\n", ""), ffn, "old.yaml")
 
 

@@ -144,6 +144,7 @@ class PatchState:
     weights: str  # "" (the model's own weights) or an FP8 format
     activations: str = ""  # "" (the model's dtype) or "fp8"
     forwards: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (module, bound fwd)
+    stacked: bool = False  # the layers' gate and up weights are views of one matrix each
 
 
 def patch(model: nn.Module, *, weights: str | None = None, activations: str | None = None,
@@ -218,6 +219,8 @@ def patch(model: nn.Module, *, weights: str | None = None, activations: str | No
             _unbind_all(state)
     if weights:
         _quantize(base, weights.removeprefix("fp8-"))
+    else:
+        state.stacked = _stack_gate_up(base)
     _bind_all(state, base, family, api, fp8=bool(weights), act=bool(activations))
     setattr(base, _STATE, state)
     _drop_compiled(model)
@@ -248,6 +251,8 @@ def unpatch(model: nn.Module) -> nn.Module:
                            "first (unpatch would drop it)")
     for module, _ in state.forwards:
         del module.forward
+    if state.stacked:
+        _unstack_gate_up(base)
     delattr(base, _STATE)
     _drop_compiled(model)
     return model
@@ -421,6 +426,35 @@ def _drop_compiled(model: nn.Module) -> None:
     # generate() keeps its torch.compile'd __call__ on the model; one traced through the other
     # forwards must not be reused
     model.__dict__.pop("_compiled_call", None)
+
+
+@torch.no_grad()
+def _stack_gate_up(base: nn.Module) -> bool:
+    """Each layer's gate and up weights become the two halves of one matrix (one copy, made a
+    layer at a time; the separate tensors are freed), so that the unfused ffn (UNFUSED = 1,
+    where the tables choose it) multiplies by both in one GEMM. False where the weights are
+    not all on one device as ordinary tensors (offloaded or meta): left as they are."""
+    from fusetune.kernels import _unfused
+
+    mlps = [layer.mlp for layer in base.layers]
+    pairs = [(m.gate_proj.weight, m.up_proj.weight) for m in mlps]
+    if any(g.shape != u.shape or g.dtype != u.dtype or g.device != u.device
+           or g.device.type == "meta" for g, u in pairs):
+        return False
+    for gate, up in pairs:
+        if _unfused.stacked(gate, up) is None:
+            both = torch.cat([gate, up])
+            gate.data, up.data = both[: gate.shape[0]], both[gate.shape[0]:]
+    return True
+
+
+@torch.no_grad()
+def _unstack_gate_up(base: nn.Module) -> None:
+    """Undoes _stack_gate_up: each weight in a tensor of its own again (state dicts with
+    shared storage are refused by safetensors' save)."""
+    for layer in base.layers:
+        for w in (layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight):
+            w.data = w.data.clone()
 
 
 @torch.no_grad()

@@ -460,6 +460,7 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
     c["UNROLL_K"] = 0
     c["SPREAD"] = 0
     c["THREAD_SUM"] = 0
+    c["UNFUSED"] = 0  # the fused kernel: the unfused form is the tuner's to choose
     # Tiles through TMA descriptors at thousands of rows, operands that reach the tensor cores
     # as loaded (16-bit weights, or FP8 beside FP8 activations): the copy engine fills the
     # pipeline's buffers with no address arithmetic or masks in the loop, which pays for long

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fusetune.kernels import fp8
+from fusetune.kernels import _unfused, fp8
 from fusetune.kernels._matmul import (
     collapse_tiles,
     collapse_tma,
@@ -45,9 +45,11 @@ from fusetune.spec import (
 # 16-byte run of a weight row up before accumulating, see _matmul.gemv_two_products) and TMA
 # (0/1: the tensor-core loop reads its tiles through TMA descriptors, see
 # _matmul.tma_two_products) may be left out of a config: tables written before them mean 0.
+# UNFUSED (0/1: the result computed as separate launches around cuBLAS, see _unfused) too.
 MATMUL_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PASSES", "SPLIT_K",
-                      "UNROLL_K", "SPREAD", "THREAD_SUM", "TMA", "num_warps", "num_stages")
-MATMUL_FLAGS = {"UNROLL_K": 0, "SPREAD": 0, "THREAD_SUM": 0, "TMA": 0}
+                      "UNROLL_K", "SPREAD", "THREAD_SUM", "TMA", "UNFUSED", "num_warps",
+                      "num_stages")
+MATMUL_FLAGS = {"UNROLL_K": 0, "SPREAD": 0, "THREAD_SUM": 0, "TMA": 0, "UNFUSED": 0}
 MATMUL_POW2_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")
 MATMUL_TOLERANCE = {"float16": 5e-3, "bfloat16": 2.5e-2, "float32": 1e-4}
 # How far down in rows a matmul table entry serves (KernelSpec.row_reach): one tuned for R rows
@@ -83,7 +85,9 @@ def matmul_canonical(config: Config, point: Point, n: int, k: int,
     matrix (_matmul.collapse_tiles), then the FP8 activations' needs
     (fp8.collapse_fp8_activations), then TMA
     (_matmul.collapse_tma), where `has_tma` says whether the kernel has the TMA loop for the
-    config so far (None: for every config)."""
+    config so far (None: for every config). Every UNFUSED config is one (_unfused.canonical)."""
+    if _unfused.unfused(config):
+        return _unfused.canonical(config)
     c = collapse_tiles(config, point.rows, n, k)
     c = fp8.collapse_fp8_activations(c, point, k)
     return collapse_tma(c, point, k, kernel_has_tma=has_tma is None or has_tma(c))
@@ -96,14 +100,17 @@ def matmul_padding(config: Config, point: Point, n: int, k: int) -> float:
     def covered(size: int, block: int) -> float:
         return size / (cdiv(size, block) * block) if size else 1.0
 
+    if _unfused.unfused(config):
+        return 0.0
+
     c = collapse_tiles(config, point.rows, n, k)
     return 1.0 - covered(n, c["BLOCK_N"]) * covered(k, c["BLOCK_K"] * c["SPLIT_K"])
 
 
 def matmul_resources(config: Config, point: Point, *, n_weights: int, epilogue: bool,
                      base_regs: int, gemv_weights: int | None = None, extra_regs: int = 0,
-                     loop_smem: Callable[[Config, int, tuple[int, int, bool]], int] | None = None
-                     ) -> Resources:
+                     loop_smem: Callable[[Config, int, tuple[int, int, bool]], int] | None = None,
+                     unfused: bool = False) -> Resources:
     """Resources of one program of a kernel whose K loop multiplies an x tile by `n_weights`
     weight tiles.
 
@@ -114,7 +121,12 @@ def matmul_resources(config: Config, point: Point, *, n_weights: int, epilogue: 
     loop's where it reads through descriptors; registers for the n_weights float32
     accumulators, one K-step's operand fragments (FP8 weight tiles upcast in registers: in x's
     type, as the MMA reads them) and `extra_regs` more elements, spread over the threads, plus
-    `base_regs` per thread."""
+    `base_regs` per thread. UNFUSED = 1: the unfused form's (_unfused.resources), where the
+    kernel has one (`unfused`), else unfit."""
+    if _unfused.unfused(config):
+        if not unfused:
+            return Resources(0, 0, 128, unfit="unfused: this kernel has no unfused form")
+        return _unfused.resources(point)
     elt = DTYPE_BYTES[point.dtype]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     threads = 32 * config["num_warps"]
@@ -175,6 +187,8 @@ def launch_args(config: Config, *, act: bool, w_fp8: int, ieee: bool, w_scaled: 
 
     The same dict (do not modify it) for the same config object and flags: at decode a
     launcher's every call asks for it."""
+    if _unfused.unfused(config):  # the kernels with an unfused form took it before this
+        raise ConfigError("UNFUSED=1: this kernel has no unfused form (ffn, linear and qkv have)")
     key = (id(config), act, w_fp8, ieee, w_scaled, tma, passes)
     kept = _launch_args.get(key)
     if kept is not None and kept[0] is config:

@@ -3,9 +3,10 @@
 A fused kernel is not always the fastest way to its result: at many rows cuBLAS's GEMM can beat
 a Triton kernel that carries a norm in front and an epilogue behind. The config key UNFUSED
 (0/1, a flag: configs and tables without it mean 0) makes that a tuning choice like a tile
-size: UNFUSED = 1 computes the same result as separate launches, fusetune's own norm and
-SiLU·mul kernels (their configs from the tables) around torch.matmul, the residual added by
-cuBLAS's beta (torch.addmm). The tuner checks and times it like any config, the tables keep
+size: UNFUSED = 1 computes the same result as separate launches, fusetune's own norm, SiLU·mul
+and RoPE kernels (their configs from the tables) around torch.matmul, residuals and biases
+added by cuBLAS's beta (torch.addmm). ffn, linear and qkv have it (their launchers'
+_unfused_2d); lola not yet. The tuner checks and times it like any config, the tables keep
 it where it wins, the launcher runs it where the table says so.
 
 FP8 weights (weight-only) are upcast to the activations' dtype with their per-channel scales,
@@ -86,11 +87,15 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
 
 
 def stacked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """[2N, K]: `a` and `b` [N, K] as one matrix, where b's rows follow a's in memory (the
-    views `fusetune.patch` makes of one stacked weight); None where they do not."""
-    if (a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+    """[2N, ...]: `a` and `b` [N, ...] (weights [N, K], or their scales [N]) as one tensor,
+    where b follows a in memory (the views `fusetune.patch` makes of one stacked weight); None
+    where they do not."""
+    if (a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or a.ndim == 0
             or not a.is_contiguous() or not b.is_contiguous()
             or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
             or b.storage_offset() != a.storage_offset() + a.numel()):
         return None
-    return torch.as_strided(a, (2 * a.shape[0], a.shape[1]), (a.shape[1], 1))
+    return torch.as_strided(a, (2 * a.shape[0], *a.shape[1:]), a.stride())
+
+
+SOURCES = (canonical, resources, _upcast, matmul, stacked)  # in the kernels' source hashes

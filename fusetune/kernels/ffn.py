@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
-from fusetune.kernels import fp8
+from fusetune.kernels import _unfused, fp8
 from fusetune.kernels._call_memo import CallMemo, tensor_key
 from fusetune.kernels._direct import direct
 from fusetune.kernels._matmul import (
@@ -55,6 +55,7 @@ from fusetune.models import ModelPreset
 from fusetune.spec import (
     DTYPE_BYTES,
     Config,
+    ConfigError,
     Cost,
     KernelSpec,
     Point,
@@ -152,6 +153,9 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
     n = w1.shape[0]
     if m == 0 or n == 0:
         return
+    if _unfused.unfused(config):
+        _unfused_2d(x, g, w1, w3, out, eps, s1, s3, act)
+        return
     x, sx = first_pass(x, g, eps, config, act, lambda t: norm_rows(t, g, eps))
     gemv = config["BLOCK_M"] == 1
     w1, w_fp8 = fp8.weight_operand(w1, act, gemv)
@@ -177,6 +181,34 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
         )
 
     launch_split(launch, cdiv(m, bm) * cdiv(n, bn), split)
+
+
+def _unfused_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                out: torch.Tensor, eps: float, s1: torch.Tensor | None, s3: torch.Tensor | None,
+                act: bool) -> None:
+    """UNFUSED = 1 (_unfused): RMSNorm (its tuned config), then cuBLAS: one GEMM over W1 and
+    W3 where they are one stacked matrix (fusetune.patch makes them views of one), else one
+    each (FP8 weights upcast with their scales); then SiLU·mul (swiglu's tuned config)."""
+    from fusetune.kernels.swiglu import SPEC as SWIGLU
+    from fusetune.kernels.swiglu import _launch_2d as swiglu_2d
+    from fusetune.runtime import cached_config
+
+    if act:
+        raise ConfigError("ffn: UNFUSED=1 with FP8 activations: that mode runs fused only")
+    m, hidden = x.shape[0], w1.shape[0]
+    xn = norm_rows(x, g, eps)
+    both = _unfused.stacked(w1, w3)
+    scales = None if s1 is None or s3 is None else _unfused.stacked(s1, s3)
+    if both is not None and (s1 is None) == (s3 is None) and (s1 is None or scales is not None):
+        ab = _unfused.matmul(xn, both, scales,
+                             torch.empty((m, 2 * hidden), dtype=x.dtype, device=x.device))
+        a, b = ab[:, :hidden], ab[:, hidden:]
+    else:
+        a = _unfused.matmul(xn, w1, s1, torch.empty((m, hidden), dtype=x.dtype, device=x.device))
+        b = _unfused.matmul(xn, w3, s3, torch.empty((m, hidden), dtype=x.dtype, device=x.device))
+    cfg = cached_config(SWIGLU, (("hidden", hidden),), dtype_name(x.dtype), m, "", x.device,
+                        warn=False)
+    swiglu_2d(a, b, out, cfg)
 
 
 def ffn(
@@ -279,9 +311,12 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     dtype = torch_dtype(point.dtype)
     x = torch.randn(point.batch, point.seq, d, device=device)
     g = 1.0 + 0.1 * torch.randn(d, device=device)
-    # nn.Linear's default init scale, so that a and b are O(1) like in a trained model.
-    w1, w1_scale = fp8.spec_weight(torch.randn(hdim, d, device=device) / d**0.5, point)
-    w3, w3_scale = fp8.spec_weight(torch.randn(hdim, d, device=device) / d**0.5, point)
+    # nn.Linear's default init scale, so that a and b are O(1) like in a trained model. W1 and
+    # W3 are the halves of one stacked matrix, as fusetune.patch holds them (the unfused form
+    # multiplies by both in one GEMM there).
+    w13, s13 = fp8.spec_weight(torch.randn(2 * hdim, d, device=device) / d**0.5, point)
+    w1, w3 = w13[:hdim], w13[hdim:]
+    w1_scale, w3_scale = (None, None) if s13 is None else (s13[:hdim], s13[hdim:])
     return {"x": x.to(dtype), "rms_weight": g.to(dtype), "w1": w1, "w3": w3,
             "w1_scale": w1_scale, "w3_scale": w3_scale, "eps": 1e-6,
             "fp8_activations": point.fp8_activations}
@@ -319,7 +354,8 @@ def _canonical(config: Config, point: Point) -> Config:
 
 def _resources(config: Config, point: Point) -> Resources:
     # W1 and W3: two weight tiles per K-step, two accumulators staged for the epilogue.
-    return matmul_resources(config, point, n_weights=2, epilogue=True, base_regs=40)
+    return matmul_resources(config, point, n_weights=2, epilogue=True, base_regs=40,
+                            unfused=True)
 
 
 def _cost(point: Point) -> Cost:
@@ -353,6 +389,7 @@ SPEC = KernelSpec(
     padding=_padding,
     dims_from_model=_dims_from_model,
     source_objects=(_ffn_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
-                    _rmsnorm_kernel, *fp8.FP8_SOURCES),
+                    _rmsnorm_kernel, *fp8.FP8_SOURCES, _unfused_2d, *_unfused.SOURCES),
+    algorithm_keys=("UNFUSED",),
     **MATMUL_SPEC_FIELDS,
 )

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
-from fusetune.kernels import fp8
+from fusetune.kernels import _unfused, fp8
 from fusetune.kernels._call_memo import CallMemo, tensor_key
 from fusetune.kernels._direct import direct
 from fusetune.kernels._matmul import (
@@ -72,6 +72,7 @@ from fusetune.models import ModelPreset
 from fusetune.spec import (
     DTYPE_BYTES,
     Config,
+    ConfigError,
     Cost,
     KernelSpec,
     Point,
@@ -200,6 +201,9 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     n = w.shape[0]
     if m == 0 or n == 0:
         return
+    if _unfused.unfused(config):
+        _unfused_2d(x, w, b, r, out, sw, act)
+        return
     config = linear_config(config)
     x, sx = first_pass(x, None, 0.0, config, act, None)
     w, w_fp8 = fp8.weight_operand(w, act, config["BLOCK_M"] == 1)
@@ -228,6 +232,17 @@ def _launch_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
         )
 
     launch_split(launch, cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]), split)
+
+
+def _unfused_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                r: torch.Tensor | None, out: torch.Tensor, sw: torch.Tensor | None,
+                act: bool) -> None:
+    """UNFUSED = 1 (_unfused): cuBLAS, the residual (and the bias) added by its beta
+    (torch.addmm; FP8 weights upcast with their scales)."""
+    if act:
+        raise ConfigError("linear: UNFUSED=1 with FP8 activations: that mode runs fused only")
+    add = r if b is None else b if r is None else r + b
+    _unfused.matmul(x, w, sw, out, add)
 
 
 def linear(
@@ -406,7 +421,7 @@ def _resources(config: Config, point: Point) -> Resources:
     # then take a few registers more than predicted, which the timing judges (pruning them
     # would lose the tiles that prefill wants).
     return matmul_resources(linear_config(config), point, n_weights=1, epilogue=False,
-                            base_regs=40)
+                            base_regs=40, unfused=True)
 
 
 def _cost(point: Point) -> Cost:
@@ -454,6 +469,7 @@ SPEC = KernelSpec(
     source_objects=(_linear_kernel, grouped_tile, block_rows, k_slice, partial_ptrs, dot,
                     gemv_one_product, tma_one_product, fp8_as_f16, mma_weight, gemv_weight,
                     scale_product, linear_config, _launch_2d, launch_args, launch_split, use_tma,
-                    tma_descriptors, fp8.weight_operand),
+                    tma_descriptors, fp8.weight_operand, _unfused_2d, *_unfused.SOURCES),
+    algorithm_keys=("UNFUSED",),
     **MATMUL_SPEC_FIELDS,
 )

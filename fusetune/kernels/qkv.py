@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
-from fusetune.kernels import fp8
+from fusetune.kernels import _unfused, fp8
 from fusetune.kernels._call_memo import CallMemo, tensor_key
 from fusetune.kernels._direct import direct
 from fusetune.kernels._matmul import (
@@ -68,6 +68,7 @@ from fusetune.models import ModelPreset
 from fusetune.spec import (
     DTYPE_BYTES,
     Config,
+    ConfigError,
     Cost,
     KernelSpec,
     Point,
@@ -261,6 +262,10 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     m, k = x.shape
     if m == 0:
         return
+    if _unfused.unfused(config):
+        _unfused_2d(x, g, (wq, wk, wv), (oq, ok, ov), cos, sin, seq, head_dim, eps,
+                    interleaved, scales, biases, act)
+        return
     x, sx = first_pass(x, g, eps, config, act, lambda t: norm_rows(t, g, eps))
     gemv = config["BLOCK_M"] == 1
     wq, w_fp8 = fp8.weight_operand(wq, act, gemv)
@@ -301,6 +306,35 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
         )
 
     launch_split(launch, cdiv(m, config["BLOCK_M"]) * n_blocks, split)
+
+
+def _unfused_2d(x: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                outs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor, seq: int,
+                head_dim: int, eps: float, interleaved: bool,
+                scales: tuple[torch.Tensor, ...] | None,
+                biases: tuple[torch.Tensor, ...] | None, act: bool) -> None:
+    """UNFUSED = 1 (_unfused): RMSNorm (its tuned config), cuBLAS into each of q, k and v
+    (biases by its beta; FP8 weights upcast with their scales), then RoPE on q and k in place
+    (rope's tuned config). Three GEMMs straight into the outputs rather than one over stacked
+    weights: one would need its output split into the three tensors, a copy of all of it."""
+    from fusetune.kernels._rotary import launch_rotation
+    from fusetune.kernels.rope import SPEC as ROPE
+    from fusetune.runtime import cached_config
+
+    if act:
+        raise ConfigError("qkv: UNFUSED=1 with FP8 activations: that mode runs fused only")
+    m = x.shape[0]
+    xn = norm_rows(x, g, eps)
+    for i, (w, out) in enumerate(zip(weights, outs, strict=True)):
+        _unfused.matmul(xn, w, None if scales is None else scales[i], out,
+                        None if biases is None else biases[i])
+    for w, out in zip(weights[:2], outs[:2], strict=True):
+        heads = w.shape[0] // head_dim
+        rows = out.view(m // seq, seq, heads, head_dim)
+        dims = (("head_dim", head_dim), ("heads", heads), ("interleaved", int(interleaved)))
+        cfg = cached_config(ROPE, dims, dtype_name(x.dtype), m, "", x.device, warn=False)
+        launch_rotation(rows, rows, cos, sin, interleaved, False, cfg)  # in place: each
+        # program reads its pairs before it writes them
 
 
 def qkv(
@@ -545,7 +579,8 @@ def _canonical(config: Config, point: Point) -> Config:
 def _resources(config: Config, point: Point) -> Resources:
     # Columns a and b of each pair: two weight tiles per K-step, two accumulators staged for
     # the epilogue; more base registers than ffn's for the RoPE epilogue.
-    return matmul_resources(config, point, n_weights=2, epilogue=True, base_regs=48)
+    return matmul_resources(config, point, n_weights=2, epilogue=True, base_regs=48,
+                            unfused=True)
 
 
 def _cost(point: Point) -> Cost:
@@ -580,10 +615,11 @@ SPEC = KernelSpec(
     padding=_padding,
     dims_from_model=_dims_from_model,
     source_objects=(_qkv_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
-                    _rmsnorm_kernel, *fp8.FP8_SOURCES),
+                    _rmsnorm_kernel, *fp8.FP8_SOURCES, _unfused_2d, *_unfused.SOURCES),
     # A config's N tiles are laid over the heads' rotation pairs (and its TMA pair loads need
     # head_dim/2 to be a multiple of BLOCK_N): tuned for one head width, it is no guess for
     # another.
     carry_same=("head_dim", "interleaved"),
+    algorithm_keys=("UNFUSED",),
     **MATMUL_SPEC_FIELDS,
 )

@@ -122,7 +122,10 @@ def start_configs(spec: KernelSpec, point: Point, space: SearchSpace, plan: Poin
     default to both; what the GPU cannot hold, winners of an older kernel's config keys and
     duplicates are left out."""
     out, seen = [default], {config_key(default)}
-    for c in [default, *neighbours]:
+    # The other algorithms of the kernel (KernelSpec.algorithm_keys) right after the default:
+    # whether one beats every tile of the fused kernel is what every search must find out.
+    others = [{**default, k: 1} for k in spec.algorithm_keys]
+    for c in [default, *others, *neighbours]:
         try:
             canon = spec.canonical(c, point)
             if plan.raw_of(config_key(canon)) is None:
