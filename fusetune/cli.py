@@ -717,14 +717,16 @@ def coverage(model: str | None, points_file: str | None, kernel: str, gpu_name: 
              dtype: str | None, weights: str | None, activations: str,
              rows: list[int] | None, training: bool, table_paths: tuple[str, ...],
              as_json: bool) -> None:
-    """Where each config of a patched model comes from on one GPU.
+    """Where each config of a patched model (or of a file's points) comes from on one GPU.
 
     For every kernel and dims that fusetune.patch launches in MODEL and every row count: exact
     (a table entry of those rows), rows (another row count of the same dims), nearby (carried
     over from the nearest tuned dims, checked against the GPU's limits) or default (the
     heuristic), with the speedup over the default that the entry recorded. An exact or rows
     entry marked marginal (its winner did not beat the default beyond the timings' spread) is
-    shown so: the point is tuned, and the default config runs there.
+    shown so: the point is tuned, and the default config runs there. A config that runs the
+    kernel's unfused form (UNFUSED=1) is marked (unfused). With --points FILE instead of
+    --model: the points the file names, of any kernel, your own included.
     """
     import json
 
