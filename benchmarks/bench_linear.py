@@ -37,13 +37,15 @@ PROJECTIONS = {"down_proj": (14336, 4096), "o_proj": (4096, 4096)}
 WEIGHTS = {"bf16": "", "fp16": "", "fp8-e4m3": "fp8-e4m3", "fp8-e5m2": "fp8-e5m2"}
 
 
-def eager_linear(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor,
-                 scale: torch.Tensor | None = None) -> torch.Tensor:
-    """What the model runs: the projection (FP8 weights dequantized to x's dtype first), then
-    the residual add."""
+def eager_linear(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None,
+                 scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """What the model runs: the projection (FP8 weights dequantized to x's dtype first, the
+    bias where there is one), then the residual add (where there is one)."""
     if scale is not None:
         w = (w.to(x.dtype) * scale[:, None]).to(x.dtype)
-    return r + F.linear(x, w)
+    y = F.linear(x, w, bias)
+    return y if r is None else r + y
 
 
 def scaled_mm(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor) -> Callable[[], Any] | None:

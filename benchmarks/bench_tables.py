@@ -151,34 +151,25 @@ def compile_all(todo: list[Entry], device: str, jobs: int) -> None:
 
 
 def _eager(kernel: str) -> Callable[[dict[str, Any]], Any] | None:
-    """The model's own torch code for a kernel's inputs (make_inputs' names), FP8 weights
-    upcast with their scales in it, as torch.compile gets it; None where there is none here."""
-    import torch
-    import torch.nn.functional as F
+    """The model's own torch code for a kernel's inputs (make_inputs' names): the kernels'
+    benchmarks' eager functions, FP8 weights upcast with their scales first, as torch.compile
+    gets them; None where there is none."""
+    from benchmarks.bench_ffn import eager_ffn
+    from benchmarks.bench_linear import eager_linear
+    from benchmarks.bench_lola import eager_lola
+    from benchmarks.bench_rmsnorm import eager_rmsnorm
 
     def w(inputs: dict[str, Any], name: str) -> Any:
         t, s = inputs[name], inputs.get(f"{name}_scale")
         return t if s is None else (t.to(inputs["x"].dtype) * s[:, None]).to(inputs["x"].dtype)
 
-    def rms(x: Any, g: Any, eps: float) -> Any:
-        h = x.float()
-        return g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-    def ffn(i: dict[str, Any]) -> Any:
-        xn = rms(i["x"], i["rms_weight"], i["eps"])
-        return F.silu(F.linear(xn, w(i, "w1"))) * F.linear(xn, w(i, "w3"))
-
-    def linear(i: dict[str, Any]) -> Any:
-        y = F.linear(i["x"], w(i, "weight"), i.get("bias"))
-        return y if i.get("residual") is None else i["residual"] + y
-
-    def lola(i: dict[str, Any]) -> Any:
-        x = i["x"]
-        return F.gelu(F.linear(F.layer_norm(x, (x.shape[-1],), eps=i["eps"]), w(i, "weight"),
-                               i["bias"]))
-
-    return {"ffn": ffn, "linear": linear, "lola": lola,
-            "rmsnorm": lambda i: rms(i["x"], i["weight"], i["eps"])}.get(kernel)
+    return {
+        "ffn": lambda i: eager_ffn(i["x"], i["rms_weight"], w(i, "w1"), w(i, "w3"), i["eps"]),
+        "linear": lambda i: eager_linear(i["x"], i["weight"], i.get("residual"),
+                                         i.get("weight_scale"), i.get("bias")),
+        "lola": lambda i: eager_lola(i["x"], w(i, "weight"), i["bias"], i["eps"]),
+        "rmsnorm": lambda i: eager_rmsnorm(i["x"], i["weight"], i["eps"]),
+    }.get(kernel)
 
 
 def best(e: Entry) -> dict[str, float]:
