@@ -135,6 +135,7 @@ def test_edited_source_is_not_served(ext: Any, tmp_path: Path) -> None:
     served = _launch(tmp_path, "axpy_kernel", env)
     assert served["warnings"] == []
     module = ext / "fusetune_ext_demo" / "__init__.py"
+    # (in the @triton.jit helper the kernel calls: its source is the kernel's too)
     module.write_text(module.read_text().replace(
         "    mask = offs < N\n", "    mask = offs < N  # edited\n", 1))
     edited = _launch(tmp_path, "axpy_kernel", env)

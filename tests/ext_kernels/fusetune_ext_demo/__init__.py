@@ -30,15 +30,21 @@ SPACE = {"params": {"BLOCK": {"pow2": [16, 128]}, "num_warps": {"values": [1, 2]
          "constraints": ["BLOCK <= max(16, N)"]}
 
 
-@fusetune.autotune(space=SPACE, key=["N"], make_inputs=make_inputs, grid=grid,
-                   reference=reference, name="ext_axpy")
 @triton.jit
-def axpy_kernel(x_ptr, y_ptr, out_ptr, N, alpha, BLOCK: tl.constexpr):
+def _axpy_block(x_ptr, y_ptr, out_ptr, N, alpha, BLOCK: tl.constexpr):
+    # One program's block of alpha·x + y (a helper: its source is its callers' too).
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
     y = tl.load(y_ptr + offs, mask=mask).to(tl.float32)
     tl.store(out_ptr + offs, (alpha * x + y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@fusetune.autotune(space=SPACE, key=["N"], make_inputs=make_inputs, grid=grid,
+                   reference=reference, name="ext_axpy")
+@triton.jit
+def axpy_kernel(x_ptr, y_ptr, out_ptr, N, alpha, BLOCK: tl.constexpr):
+    _axpy_block(x_ptr, y_ptr, out_ptr, N, alpha, BLOCK)
 
 
 @fusetune.autotune(configs=[triton.Config({"BLOCK": 32}, num_warps=1),
@@ -47,11 +53,7 @@ def axpy_kernel(x_ptr, y_ptr, out_ptr, N, alpha, BLOCK: tl.constexpr):
                    key=["N"], name="ext_axpy_tune", on_miss="tune")
 @triton.jit
 def axpy_tune_kernel(x_ptr, y_ptr, out_ptr, N, alpha, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
-    y = tl.load(y_ptr + offs, mask=mask).to(tl.float32)
-    tl.store(out_ptr + offs, (alpha * x + y).to(out_ptr.dtype.element_ty), mask=mask)
+    _axpy_block(x_ptr, y_ptr, out_ptr, N, alpha, BLOCK)
 
 
 def faulty_resources(config: dict, point: fusetune.Point) -> Resources:
