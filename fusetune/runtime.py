@@ -335,7 +335,7 @@ def read_tables(path: str | Path, specs: Mapping[str, KernelSpec] | None) -> Tab
 
 # ---- runtime state -----------------------------------------------------------------------------
 
-_lock = threading.RLock()  # re-entered where a lookup tunes now and stores what it found
+_lock = threading.Lock()
 _user: Tables | None = None
 _shipped: Tables | None = None
 _tuned: Tables | None = None  # the per-user cache of configs tuned at run time (tuned_cache)
@@ -632,7 +632,7 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
                 if one_row and r != 1:
                     continue
                 info = tables.info.get((key, r), EntryInfo())
-                if not _usable(spec, info, key, r):
+                if not _usable(spec, info):
                     continue
                 d = _distance(dims, point.rows, key[2], r)
                 if d <= NEARBY_DISTANCE and not info.marginal:
@@ -676,7 +676,7 @@ def other_triton_policy(spec: KernelSpec) -> str:
     return policy
 
 
-def _usable(spec: KernelSpec, info: EntryInfo, group: GroupKey, rows: int) -> bool:
+def _usable(spec: KernelSpec, info: EntryInfo) -> bool:
     """Whether an entry may be served: one tuned for another version of the kernel's source
     never is (its configs were measured, and checked, on other code); one tuned with another
     Triton version as other_triton_policy says. Each refusal and each other version served
@@ -733,7 +733,7 @@ def _resolution(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str,
         entries = tables.groups.get(group)
         if entries:
             entries = [(r, c) for r, c in entries
-                       if _usable(spec, tables.info.get((group, r), EntryInfo()), group, r)]
+                       if _usable(spec, tables.info.get((group, r), EntryInfo()))]
         if entries:
             found = _covering(rows, entries, serves, spec.row_reach)
             if found is not None:
