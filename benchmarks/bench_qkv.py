@@ -25,7 +25,7 @@ from fusetune.kernels.rope import rotary_tables
 from fusetune.models import preset
 from fusetune.spec import Point
 
-IMPLS = ("tuned", "default", "eager", "compile", "liger", "gemm_alone")
+IMPLS = ("tuned", "default", "unfused", "eager", "compile", "liger", "gemm_alone")
 EPS = 1e-6
 THETA = 10000.0
 
@@ -80,9 +80,11 @@ def make_case(m: int, dims: dict[str, int], dtype_name: str, gpu: Any, compiled:
     torch.manual_seed(0)
     x = torch.randn(1, m, d, device="cuda", dtype=dtype)
     g = (1 + 0.1 * torch.randn(d, device="cuda")).to(dtype)
-    wq, wk, wv = ((torch.randn(n * hd, d, device="cuda") / d**0.5).to(dtype)
-                  for n in (dims["n_heads"], dims["n_kv_heads"], dims["n_kv_heads"]))
-    wqkv = torch.cat([wq, wk, wv])
+    # Wq, Wk, Wv: views of one stacked matrix, as fusetune.patch holds them (the unfused form
+    # multiplies by all three in one GEMM there)
+    nq, nkv = dims["n_heads"] * hd, dims["n_kv_heads"] * hd
+    wqkv = (torch.randn(nq + 2 * nkv, d, device="cuda") / d**0.5).to(dtype)
+    wq, wk, wv = wqkv[:nq], wqkv[nq:nq + nkv], wqkv[nq + nkv:]
     interleaved = bool(dims["interleaved"])
     # The tables of positions 0..m-1, [1, m, hd] in x's dtype (what a rotary embedding returns
     # and the fused kernel reads), and the eager code's own forms of the same angles.
@@ -111,6 +113,7 @@ def make_case(m: int, dims: dict[str, int], dtype_name: str, gpu: Any, compiled:
     fns = {
         "tuned": fused,
         "default": lambda: fused(default_cfg),
+        "unfused": lambda: fused(SPEC.canonical({**default_cfg, "UNFUSED": 1}, point)),
         "eager": lambda: eager_qkv(x, g, wq, wk, wv, freqs_cis, cos4, sin4, hd),
         "compile": lambda: compiled(x, g, wq, wk, wv, freqs_cis, cos4, sin4, hd),
         "liger": (lambda: liger(x, g, wqkv)) if liger else None,

@@ -10,17 +10,17 @@ short), in interleaved rounds. Verdicts use the export's rule for `marginal`: `s
 entry's median exceeds the default's by more than the larger of their p20-p80 spreads,
 `faster` where it is below by more, else `even`. Marginal entries (the lookup runs the default
 there) are timed as well, their winner against the default. Beside them: the kernel's unfused
-form (UNFUSED = 1: the norm, cuBLAS and the epilogue as separate launches; ffn and linear) and
-torch.compile of the model's torch code (ffn, linear, lola, rmsnorm), and what the lookup
-serves against the best of the three ways (fused configs, unfused, torch.compile). The exit
-status is 1 where an entry the lookup serves (not marginal) is slower than the default, or a
-config fails. Configs compile first in parallel processes (--jobs) into Triton's on-disk cache,
-which the timing process then loads. The timing runs in a spawned process, with --devices one
-per GPU (the entries shared out over several GPUs of one model; an entry and its default always
-on the same GPU): a process that dies (an illegal memory access, a crash of the compiler or
-the driver) fails the entry it was on, with that reason, and a new process goes on with the
-rest. Ctrl-C (or SIGINT from `timeout -s INT`) stops the timing: the entries measured so far
-are reported, the rest counted as not measured.
+form (UNFUSED = 1: the norm, cuBLAS and the epilogue as separate launches; ffn, qkv and
+linear) and torch.compile of the model's torch code (ffn, qkv, linear, lola, rmsnorm, rope,
+swiglu), and what the lookup serves against the best of the three ways (fused configs,
+unfused, torch.compile). The exit status is 1 where an entry the lookup serves (not marginal)
+is slower than the default, or a config fails. Configs compile first in parallel processes
+(--jobs) into Triton's on-disk cache, which the timing process then loads. The timing runs in
+a spawned process, with --devices one per GPU (the entries shared out over several GPUs of one
+model; an entry and its default always on the same GPU): a process that dies (an illegal
+memory access, a crash of the compiler or the driver) fails the entry it was on, with that
+reason, and a new process goes on with the rest. Ctrl-C (or SIGINT from `timeout -s INT`)
+stops the timing: the entries measured so far are reported, the rest counted as not measured.
 
 `--device cpu` runs the flow on Triton's interpreter (the interpreter's tables, small dims;
 timings meaningless).
@@ -154,21 +154,43 @@ def _eager(kernel: str) -> Callable[[dict[str, Any]], Any] | None:
     """The model's own torch code for a kernel's inputs (make_inputs' names): the kernels'
     benchmarks' eager functions, FP8 weights upcast with their scales first, as torch.compile
     gets them; None where there is none."""
+    import torch
+
     from benchmarks.bench_ffn import eager_ffn
     from benchmarks.bench_linear import eager_linear
     from benchmarks.bench_lola import eager_lola
+    from benchmarks.bench_qkv import eager_qkv
     from benchmarks.bench_rmsnorm import eager_rmsnorm
+    from benchmarks.bench_rope import hf_rope, llama_rope
+    from benchmarks.bench_swiglu import eager_swiglu
 
     def w(inputs: dict[str, Any], name: str) -> Any:
         t, s = inputs[name], inputs.get(f"{name}_scale")
         return t if s is None else (t.to(inputs["x"].dtype) * s[:, None]).to(inputs["x"].dtype)
+
+    def tables(i: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """(freqs_cis for interleaved pairs or None, cos, sin [B, S, 1, D]) of the inputs'
+        tables, the forms the eager code takes."""
+        cos, sin = i["cos"][:, :, None, :], i["sin"][:, :, None, :]
+        if not i["interleaved"]:
+            return None, cos, sin
+        half = cos.shape[-1] // 2
+        return torch.complex(cos[..., :half].float(), sin[..., :half].float()), cos, sin
+
+    def rope(i: dict[str, Any]) -> Any:
+        freqs_cis, cos, sin = tables(i)
+        return hf_rope(i["x"], cos, sin) if freqs_cis is None else llama_rope(i["x"], freqs_cis)
 
     return {
         "ffn": lambda i: eager_ffn(i["x"], i["rms_weight"], w(i, "w1"), w(i, "w3"), i["eps"]),
         "linear": lambda i: eager_linear(i["x"], i["weight"], i.get("residual"),
                                          i.get("weight_scale"), i.get("bias")),
         "lola": lambda i: eager_lola(i["x"], w(i, "weight"), i["bias"], i["eps"]),
+        "qkv": lambda i: eager_qkv(i["x"], i["rms_weight"], w(i, "wq"), w(i, "wk"), w(i, "wv"),
+                                   *tables(i), i["head_dim"]),
         "rmsnorm": lambda i: eager_rmsnorm(i["x"], i["weight"], i["eps"]),
+        "rope": rope,
+        "swiglu": lambda i: eager_swiglu(i["a"], i["b"]),
     }.get(kernel)
 
 
@@ -280,7 +302,7 @@ def _measure_child(todo: list[Entry], backend: str, device: str, rounds: int, re
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         measure(todo, backend, device, rounds, rep_ms,
-                lambda i, e: conn.send((i, e.times, e.failed)))
+                lambda i, e: conn.send((i, e.times, e.failed, e.compile_us, e.unfused)))
     except KeyboardInterrupt:  # before measuring began (still importing): nothing measured
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second interrupt must not lose the end
@@ -330,9 +352,10 @@ def measure_devices(todo: list[Entry], backend: str, devices: list[str], rounds:
             except EOFError:
                 message = EOFError
             if isinstance(message, tuple):
-                i, times, failed = message
+                i, times, failed, compile_us, unfused = message
                 e = todo[indices[i]]
-                e.times, e.failed, e.measured = times, failed, True
+                e.times, e.failed, e.compile_us, e.unfused = times, failed, compile_us, unfused
+                e.measured = True
                 continue
             del running[conn]
             proc.join()

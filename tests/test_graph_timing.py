@@ -76,3 +76,35 @@ def test_which_points_are_timed_as_graphs(monkeypatch: pytest.MonkeyPatch) -> No
     assert floor_us(spec, Point.make("ffn", dims, 1024, 1, "float16"), "cuda") > GRAPH_BELOW_US
     small = Point.make("ffn", {"dim": 64, "hidden": 48}, 1, 3, "float32")
     assert not Evaluator(spec, small, "interpreter", "cpu").graphs
+
+
+@pytest.mark.gpu
+def test_a_launch_path_longer_than_the_flush_is_timed_as_graph_replays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A prefill-sized point is timed as plain launches, unless a config's launch path keeps the
+    # host busier than do_bench's L2 flush hides (the GPU would wait for it in the timing).
+    import time
+
+    from fusetune.tuner import bench
+
+    flush = bench.flush_us("cuda")
+    assert 5 < flush < 2000  # 256 MB zeroed
+    assert bench.host_us(lambda: time.sleep(2 * flush * 1e-6)) > flush
+    spec = get_spec("ffn")
+    point = Point.make("ffn", {"dim": 4096, "hidden": 14336}, 1, 4096, "bfloat16")
+    ev = Evaluator(spec, point, "cuda", "cuda")
+    assert not ev.graphs
+    from fusetune.tables import gpu_for_device
+
+    config = spec.canonical(spec.default_config(point, gpu_for_device(torch.device("cuda"))),
+                            point)
+    assert ev.check(config).ok
+    captured: list[int] = []
+    real = bench.captured_launch
+    monkeypatch.setattr(bench, "captured_launch", lambda fn: captured.append(1) or real(fn))
+    monkeypatch.setattr(bench, "host_us", lambda fn: 0.1 * flush)
+    ev.time(config, rep_ms=5)
+    assert captured == []  # a launch path the flush hides: plain launches
+    monkeypatch.setattr(bench, "host_us", lambda fn: 2 * flush)
+    ev.time(config, rep_ms=5)
+    assert captured == [1]

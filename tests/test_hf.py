@@ -193,14 +193,23 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
     assert ref_ops == {"qkv": n_layers, "ffn": n_layers, "linear": 2 * n_layers, "rmsnorm": 1}
     assert rel_err(got, want_logits) <= 1e-5
     assert torch.equal(greedy(model, ids, mask), want_tokens)
-    # gate and up: the halves of one matrix (the unfused ffn's one GEMM), no copy kept
+    # gate and up: the halves of one matrix (the unfused ffn's one GEMM), q, k, v (and their
+    # biases) the rows of one, no copy kept
     mlps = [layer.mlp for layer in model.model.layers]
     assert all(_unfused.stacked(m.gate_proj.weight, m.up_proj.weight) is not None for m in mlps)
+    attns = [layer.self_attn for layer in model.model.layers]
+    for a in attns:
+        lins = (a.q_proj, a.k_proj, a.v_proj)
+        assert _unfused.stacked(*(lin.weight for lin in lins)) is not None
+        if a.q_proj.bias is not None:
+            assert _unfused.stacked(*(lin.bias for lin in lins)) is not None
 
     assert fusetune.unpatch(model) is model
     assert_restored(model, before)
     assert all(m.gate_proj.weight.untyped_storage().data_ptr()
                != m.up_proj.weight.untyped_storage().data_ptr() for m in mlps)
+    assert all(a.q_proj.weight.untyped_storage().data_ptr()
+               != a.k_proj.weight.untyped_storage().data_ptr() for a in attns)
     assert torch.equal(logits(model, ids, mask), want_logits)
 
 
@@ -282,6 +291,13 @@ def test_fp8_weights(fmt: str, ref_ops: dict[str, int], capsys: pytest.CaptureFi
                                                   "e5m2": "float8_e5m2"}[fmt])
     assert q_proj.weight_scale.shape == (q_proj.out_features,)
     assert "weight" not in dict(q_proj.named_parameters())  # the 16-bit parameter is gone
+    for layer in model.model.layers:  # FP8 weights, scales and biases stacked as 16-bit ones
+        lins = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")]
+        for attr in ("weight", "weight_scale", "bias"):
+            assert _unfused.stacked(*(getattr(lin, attr) for lin in lins)) is not None
+        lins = [layer.mlp.gate_proj, layer.mlp.up_proj]
+        for attr in ("weight", "weight_scale"):
+            assert _unfused.stacked(*(getattr(lin, attr) for lin in lins)) is not None
     assert rel_err(logits(model, ids, mask), logits(dequantized, ids, mask)) <= 1e-5
     with pytest.raises(RuntimeError, match="cannot be restored exactly; load the model again"):
         fusetune.unpatch(model)

@@ -699,6 +699,25 @@ def test_shipped_tables_hold_each_lookup_key_once() -> None:
                     where[key] = here
 
 
+def test_shipped_entries_were_tuned_on_the_kernels_source() -> None:
+    # An entry that records its kernel's source hash is served only with that source: a change
+    # to a kernel (or a function in its SOURCES) without searching its shipped points again
+    # would leave them unserved. Entries without one (older files) are served as they are.
+    from importlib import resources
+
+    from fusetune.kernels import get_spec
+
+    for f in resources.files("fusetune.shipped_tables").iterdir():
+        if not f.name.endswith(".yaml"):
+            continue
+        for gpu, kernels in yaml.safe_load(f.read_text())["gpus"].items():
+            for kernel, entries in kernels.items():
+                stale = [i for i, e in enumerate(entries)
+                         if e.get("source") not in (None, get_spec(kernel).source_hash)]
+                assert not stale, (f"{f.name}: gpus.{gpu}.{kernel}: {len(stale)} entries tuned "
+                                   "on another source of the kernel: search them again")
+
+
 def test_env_tables_checked_at_the_kernels_first_lookup(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # FUSETUNE_TABLES is read by the first launch, which knows its own kernel only: another

@@ -109,24 +109,70 @@ def test_stacked_and_chunked_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     wq, scale = fusetune.quantize_fp8(w)
     x, add = torch.randn(3, 16), torch.randn(3, 40)
     whole = _unfused.matmul(x, wq, scale, torch.empty(3, 40), add)
-    monkeypatch.setattr(_unfused, "WORKSPACE_BYTES", 16 * 4 * 7)  # 7 channels a chunk
+    monkeypatch.setattr(_unfused, "WORKSPACE_BYTES", 16 * 4 * 7)  # 7 channels fit
+    monkeypatch.setattr(_unfused, "CHUNK_CHANNELS", 4)
+    assert _unfused._chunks(wq, torch.float32) == 8  # 6 parts of 7 -> multiples of 4
     chunked = _unfused.matmul(x, wq, scale, torch.empty(3, 40), add)
     torch.testing.assert_close(chunked, whole)
+    bias = torch.randn(40)  # a bias's slices too, into a wider output's columns
+    wide = torch.full((3, 50), float("nan"))
+    _unfused.matmul(x, wq, scale, wide[:, 5:45], bias)
+    torch.testing.assert_close(wide[:, 5:45], x @ fusetune.kernels.fp8.dequantize(wq, scale).T
+                               + bias, rtol=1e-5, atol=1e-5)
+    assert wide[:, :5].isnan().all() and wide[:, 45:].isnan().all()
     torch.testing.assert_close(whole, x @ fusetune.kernels.fp8.dequantize(wq, scale).T + add,
                                rtol=1e-5, atol=1e-5)
 
 
+def test_stacked_parts_of_other_sizes_and_the_upcast() -> None:
+    whole = torch.randn(16, 4)
+    assert torch.equal(_unfused.stacked(whole[:8], whole[8:12], whole[12:]), whole)
+    assert _unfused.stacked(whole[:8], whole[12:]) is None  # a gap between them
+    assert _unfused.stacked(whole[:8, :2], whole[8:, :2]) is None  # not contiguous
+    for fmt in ("e4m3", "e5m2"):
+        wq, scale = fusetune.quantize_fp8(torch.randn(7, 3000), fmt)  # a row of two blocks
+        want = (wq.float() * scale[:, None]).half()
+        assert torch.equal(_unfused._upcast(wq, scale, torch.float16), want)
+        assert torch.equal(_unfused._upcast(wq[:, 5:], scale, torch.float16), want[:, 5:])
+        assert torch.equal(_unfused._upcast(wq, None, torch.float16), wq.half())
+        # bfloat16: Triton's interpreter truncates float32 to it (the GPU rounds to nearest
+        # even, test_upcast_rounds_once_on_the_gpu): one unit of the last place here
+        got = _unfused._upcast(wq, scale, torch.bfloat16).float()
+        exact = wq.float() * scale[:, None]
+        assert ((got - exact).abs() <= exact.abs() * 2**-7).all()
+
+
+@pytest.mark.gpu
+def test_upcast_rounds_once_on_the_gpu() -> None:
+    for fmt in ("e4m3", "e5m2"):
+        wq, scale = fusetune.quantize_fp8(torch.randn(300, 5000, device="cuda"), fmt)
+        for dtype in (torch.bfloat16, torch.float16):
+            want = (wq.float() * scale[:, None]).to(dtype)
+            assert torch.equal(_unfused._upcast(wq, scale, dtype), want)
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["separate", "stacked"])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_qkv_unfused_with_biases_matches_the_fused_kernel(interleaved: bool) -> None:
+def test_qkv_unfused_with_biases_matches_the_fused_kernel(interleaved: bool, stack: bool,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
     """Qwen2's q/k/v biases go in by cuBLAS's beta, before RoPE, as the fused kernel adds
-    them."""
+    them; where the weights (and biases) are views of one stacked matrix, by one GEMM."""
     from fusetune.kernels._rotary import rotary_tables
 
     torch.manual_seed(0)
     d, hd, b, s = 64, 16, 2, 3
     x, g = torch.randn(b, s, d), 1 + 0.1 * torch.randn(d)
-    wq, wk, wv = (torch.randn(n * hd, d) / 8 for n in (4, 2, 2))
-    bq, bk, bv = (0.1 * torch.randn(w.shape[0]) for w in (wq, wk, wv))
+    w_all, b_all = torch.randn(128, d) / 8, 0.1 * torch.randn(128)
+    if not stack:
+        w_all, b_all = w_all.clone(), b_all.clone()
+    parts = ((0, 64), (64, 96), (96, 128))
+    wq, wk, wv = (w_all[a:z] if stack else w_all[a:z].clone() for a, z in parts)
+    bq, bk, bv = (b_all[a:z] if stack else b_all[a:z].clone() for a, z in parts)
+    gemms: list[int] = []
+    real = _unfused.matmul
+    monkeypatch.setattr(_unfused, "matmul", lambda xn, w, *a: gemms.append(w.shape[0])
+                        or real(xn, w, *a))
     cos, sin = rotary_tables(torch.arange(s)[None, :] + torch.arange(b)[:, None], hd,
                              theta=10000.0, dtype=torch.float32)
     point = Point.make("qkv", {"dim": d, "head_dim": hd, "n_heads": 4,
@@ -138,5 +184,7 @@ def test_qkv_unfused_with_biases_matches_the_fused_kernel(interleaved: bool) -> 
     with torch.no_grad():
         want = fusetune.qkv(*args, **kw, config=fused)
         got = fusetune.qkv(*args, **kw, config=_unfused_config(qkv.SPEC, point))
+    assert gemms == ([128] if stack else [64, 32, 32])
     for g_, w_ in zip(got, want, strict=True):
+        assert g_.is_contiguous()
         torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)

@@ -144,7 +144,7 @@ class PatchState:
     weights: str  # "" (the model's own weights) or an FP8 format
     activations: str = ""  # "" (the model's dtype) or "fp8"
     forwards: list[tuple[nn.Module, Any]] = field(default_factory=list)  # (module, bound fwd)
-    stacked: bool = False  # the layers' gate and up weights are views of one matrix each
+    stacked: bool = False  # each layer's q/k/v and gate/up weights are views of one matrix
 
 
 def patch(model: nn.Module, *, weights: str | None = None, activations: str | None = None,
@@ -219,8 +219,7 @@ def patch(model: nn.Module, *, weights: str | None = None, activations: str | No
             _unbind_all(state)
     if weights:
         _quantize(base, weights.removeprefix("fp8-"))
-    else:
-        state.stacked = _stack_gate_up(base)
+    state.stacked = _stack_projections(base)
     _bind_all(state, base, family, api, fp8=bool(weights), act=bool(activations))
     setattr(base, _STATE, state)
     _drop_compiled(model)
@@ -252,7 +251,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     for module, _ in state.forwards:
         del module.forward
     if state.stacked:
-        _unstack_gate_up(base)
+        _unstack_projections(base)
     delattr(base, _STATE)
     _drop_compiled(model)
     return model
@@ -428,33 +427,64 @@ def _drop_compiled(model: nn.Module) -> None:
     model.__dict__.pop("_compiled_call", None)
 
 
+# The projections that read the same input: where the tables choose the unfused form
+# (UNFUSED = 1), one GEMM multiplies by each group's stacked matrix.
+STACKED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
 @torch.no_grad()
-def _stack_gate_up(base: nn.Module) -> bool:
-    """Each layer's gate and up weights become the two halves of one matrix (one copy, made a
-    layer at a time; the separate tensors are freed), so that the unfused ffn (UNFUSED = 1,
-    where the tables choose it) multiplies by both in one GEMM. False where the weights are
-    not all on one device as ordinary tensors (offloaded or meta): left as they are."""
+def _stack_projections(base: nn.Module) -> bool:
+    """Each layer's q, k, v weights become consecutive rows of one matrix, its gate and up
+    weights likewise (one copy made a group at a time; the separate tensors are freed); FP8
+    scales and biases (where every projection of the group has one) the same way. False where
+    the tensors are not all on one device as ordinary tensors (offloaded or meta): left as they
+    are."""
     from fusetune.kernels import _unfused
 
-    mlps = [layer.mlp for layer in base.layers]
-    pairs = [(m.gate_proj.weight, m.up_proj.weight) for m in mlps]
-    if any(g.shape != u.shape or g.dtype != u.dtype or g.device != u.device
-           or g.device.type == "meta" for g, u in pairs):
-        return False
-    for gate, up in pairs:
-        if _unfused.stacked(gate, up) is None:
-            both = torch.cat([gate, up])
-            gate.data, up.data = both[: gate.shape[0]], both[gate.shape[0]:]
+    groups = [[getattr(getattr(layer, parent), n) for n in names]
+              for layer in base.layers for parent, names in STACKED]
+    todo: list[list[tuple[nn.Module, str]]] = []
+    for lins in groups:
+        for attr in ("weight", "weight_scale", "bias"):
+            ts = [getattr(lin, attr, None) for lin in lins]
+            if all(t is None for t in ts):
+                continue
+            if any(t is None for t in ts):
+                if attr == "bias":
+                    continue  # a bias on some only: added per projection
+                return False
+            first = ts[0]
+            if any(t.shape[1:] != first.shape[1:] or t.dtype != first.dtype
+                   or t.device != first.device or t.device.type == "meta" for t in ts):
+                return False
+            todo.append([(lin, attr) for lin in lins])
+    for members in todo:
+        ts = [getattr(lin, attr) for lin, attr in members]
+        if _unfused.stacked(*ts) is not None:
+            continue
+        whole = torch.cat([t.detach() for t in ts])
+        start = 0
+        for (lin, attr), t in zip(members, ts, strict=True):
+            view = whole[start:start + t.shape[0]]
+            start += t.shape[0]
+            if isinstance(t, nn.Parameter):
+                t.data = view
+            else:
+                setattr(lin, attr, view)  # a buffer (FP8 weights, their scales)
     return True
 
 
 @torch.no_grad()
-def _unstack_gate_up(base: nn.Module) -> None:
-    """Undoes _stack_gate_up: each weight in a tensor of its own again (state dicts with
-    shared storage are refused by safetensors' save)."""
+def _unstack_projections(base: nn.Module) -> None:
+    """Undoes _stack_projections for 16-bit weights: each tensor one of its own again (state
+    dicts with shared storage are refused by safetensors' save)."""
     for layer in base.layers:
-        for w in (layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight):
-            w.data = w.data.clone()
+        for parent, names in STACKED:
+            for n in names:
+                lin = getattr(getattr(layer, parent), n)
+                for p in (lin.weight, lin.bias):
+                    if p is not None:
+                        p.data = p.data.clone()
 
 
 @torch.no_grad()

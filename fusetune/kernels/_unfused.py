@@ -9,11 +9,19 @@ added by cuBLAS's beta (torch.addmm). ffn, linear and qkv have it (their launche
 _unfused_2d); lola not yet. The tuner checks and times it like any config, the tables keep
 it where it wins, the launcher runs it where the table says so.
 
+Projections that read the same input run as one GEMM where their weights are views of one
+stacked matrix, as fusetune.patch holds them (ffn's W1 and W3, qkv's Wq, Wk and Wv: `stacked`).
+
 FP8 weights (weight-only) are upcast to the activations' dtype with their per-channel scales,
-into a workspace of at most WORKSPACE_BYTES at a time (chunks of output channels), and
-multiplied by the 16-bit GEMM. FP8 activations have no unfused form here (cuBLAS would be
-handed the rounded activations, which the fused kernels make in their norm pass): such points
-run fused only.
+in one pass (_upcast_kernel: FP8 read once, the 16-bit copy written once), into a workspace of
+about WORKSPACE_BYTES at a time (chunks of output channels, _chunks), and multiplied by the
+16-bit GEMM. FP8 activations have no unfused form here (cuBLAS would be handed the rounded
+activations, which the fused kernels make in their norm pass): such points run fused only.
+
+A launcher's call that takes this form runs in full every call (no replay of its launches:
+cuBLAS's are not `direct`'s), which costs more host time than a fused call's replay; the tuner
+times such configs over CUDA-graph replays (tuner.bench.HOST_SHARE_OF_FLUSH), as the GPU runs
+them wherever the host keeps ahead of it.
 
 Numerics: the same formula, rounded at other places (the norm's output and the GEMM's in the
 activations' dtype, FP8 weights with their scales folded in before the products): within the
@@ -23,7 +31,10 @@ kernels' tolerances, checked against the same float32 reference as every config.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from fusetune.kernels._replay import note_unrecordable
 from fusetune.spec import Config, Point, Resources
 
 # Every other key of an UNFUSED config means nothing: the canonical config sets them to these,
@@ -31,7 +42,11 @@ from fusetune.spec import Config, Point, Resources
 _CANONICAL: Config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": 2,
                       "SPLIT_K": 1, "UNROLL_K": 0, "SPREAD": 0, "THREAD_SUM": 0, "TMA": 0,
                       "num_warps": 4, "num_stages": 2, "UNFUSED": 1}
-WORKSPACE_BYTES = 256 << 20  # FP8 weights upcast at most this many bytes at a time
+WORKSPACE_BYTES = 256 << 20  # FP8 weights upcast about this many bytes at a time (_chunks)
+# The upcast is a copy: every program streams UPCAST_BLOCK elements of one row, which keeps
+# the copy at the GPU's copy bandwidth for any row of at least that many elements; it is not a
+# tuning choice of the kernels whose unfused form uses it.
+UPCAST_BLOCK = 2048
 
 
 def unfused(config: Config) -> bool:
@@ -51,24 +66,62 @@ def resources(point: Point) -> Resources:
     return Resources(smem_bytes=0, regs_per_thread=0, threads=128, unfit=unfit)
 
 
+CHUNK_CHANNELS = 128  # a chunk's output channels are a multiple of this (aligned GEMMs)
+
+
 def _chunks(w: torch.Tensor, dtype: torch.dtype) -> int:
-    """Output channels upcast at a time: the whole matrix where it fits the workspace."""
+    """Output channels upcast at a time: the whole matrix where it fits the workspace, else
+    the fewest equal parts that do, each rounded up to a multiple of CHUNK_CHANNELS (a GEMM
+    and its slice of the output at an odd channel count run cuBLAS's unaligned paths, several
+    times slower)."""
+    n = w.shape[0]
     row_bytes = max(1, w.shape[1]) * torch.finfo(dtype).bits // 8
-    return max(1, min(w.shape[0], WORKSPACE_BYTES // row_bytes))
+    parts = -(-n * row_bytes // WORKSPACE_BYTES)
+    if parts <= 1:
+        return n
+    step = -(-n // parts)
+    return min(n, -(-step // CHUNK_CHANNELS) * CHUNK_CHANNELS)
+
+
+@triton.jit
+def _upcast_kernel(w_ptr, s_ptr, out_ptr, n_cols, stride_w, stride_out,
+                   HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (row, j): elements [j·BLOCK, (j+1)·BLOCK) of weight row `row` (one output
+    # channel); the mask cuts the last block of a row at n_cols. FP8 → float32 is exact; the
+    # product with the channel's float32 scale is rounded once, to the output's dtype.
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + row.to(tl.int64) * stride_w + cols, mask=mask).to(tl.float32)
+    if HAS_SCALE:
+        w = w * tl.load(s_ptr + row).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + cols,
+             w.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def _upcast(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 weights [n, K] with their per-channel scales as `dtype` (the scale folded in, in
-    float32, then rounded once)."""
-    if scale is None:
-        return w.to(dtype)
-    return (w.float() * scale.float()[:, None]).to(dtype)
+    """FP8 weights [n, K] (unit column stride) with their per-channel scales as `dtype`: each
+    weight times its channel's scale in float32, rounded once (what (w.float() · scale).to(dtype)
+    computes, without its float32 intermediate in memory)."""
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    out = torch.empty(w.shape, dtype=dtype, device=w.device)
+    if w.numel() == 0:
+        return out
+    grid = (w.shape[0], triton.cdiv(w.shape[1], UPCAST_BLOCK))
+    _upcast_kernel[grid](w, w if scale is None else scale, out, w.shape[1], w.stride(0),
+                         out.stride(0), HAS_SCALE=scale is not None, BLOCK=UPCAST_BLOCK,
+                         num_warps=4)
+    return out
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
            out: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     """out = x [M, K] · (scale ⊙ w)ᵀ (+ add, [M, N] or [N], by cuBLAS's beta) for w [N, K] in
     x's dtype (scale None) or FP8; returns `out`."""
+    # cuBLAS's launches do not go through `direct`: a launcher's call that makes them has no
+    # replay of its launches (_replay), and runs in full every time
+    note_unrecordable()
     if w.dtype == x.dtype and scale is None:
         if add is None:
             return torch.mm(x, w.t(), out=out)
@@ -82,20 +135,30 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
         n1 = min(n0 + step, w.shape[0])
         wd = _upcast(w[n0:n1], None if scale is None else scale[n0:n1], x.dtype)
         part = None if add is None else add[..., n0:n1]  # a residual's columns, a bias's
-        out[:, n0:n1] = torch.mm(x, wd.t()) if part is None else torch.addmm(part, x, wd.t())
+        cols = out[:, n0:n1]  # cuBLAS writes the columns in place (their row stride as ldc)
+        if part is None:
+            torch.mm(x, wd.t(), out=cols)
+        else:
+            torch.addmm(part, x, wd.t(), out=cols)
     return out
 
 
-def stacked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """[2N, ...]: `a` and `b` [N, ...] (weights [N, K], or their scales [N]) as one tensor,
-    where b follows a in memory (the views `fusetune.patch` makes of one stacked weight); None
-    where they do not."""
-    if (a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or a.ndim == 0
-            or not a.is_contiguous() or not b.is_contiguous()
-            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-            or b.storage_offset() != a.storage_offset() + a.numel()):
-        return None
-    return torch.as_strided(a, (2 * a.shape[0], *a.shape[1:]), a.stride())
+def stacked(*parts: torch.Tensor) -> torch.Tensor | None:
+    """[sum of their rows, ...]: `parts` ([n_i, ...] each: weights [n_i, K], their scales or
+    biases [n_i]) as one tensor, where each follows the one before it in memory (the views
+    `fusetune.patch` makes of one stacked weight); None where they do not."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for t in parts:
+        if (t.shape[1:] != first.shape[1:] or t.dtype != first.dtype
+                or t.device != first.device or t.ndim == 0 or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in parts)
+    return torch.as_strided(first, (rows, *first.shape[1:]), first.stride())
 
 
-SOURCES = (canonical, resources, _upcast, matmul, stacked)  # in the kernels' source hashes
+# in the kernels' source hashes
+SOURCES = (canonical, resources, _chunks, _upcast_kernel, _upcast, matmul, stacked)

@@ -28,6 +28,7 @@ PASSES, SPLIT_K, UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import torch
@@ -313,10 +314,11 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, .
                 head_dim: int, eps: float, interleaved: bool,
                 scales: tuple[torch.Tensor, ...] | None,
                 biases: tuple[torch.Tensor, ...] | None, act: bool) -> None:
-    """UNFUSED = 1 (_unfused): RMSNorm (its tuned config), cuBLAS into each of q, k and v
-    (biases by its beta; FP8 weights upcast with their scales), then RoPE on q and k in place
-    (rope's tuned config). Three GEMMs straight into the outputs rather than one over stacked
-    weights: one would need its output split into the three tensors, a copy of all of it."""
+    """UNFUSED = 1 (_unfused): RMSNorm (its tuned config), cuBLAS (biases by its beta; FP8
+    weights upcast with their scales), then RoPE on q and k (rope's tuned config). Where Wq,
+    Wk and Wv are one stacked matrix (fusetune.patch makes them views of one; their scales and
+    biases likewise, or none), one GEMM over all three into a workspace, which RoPE reads into
+    q and k and a copy into v; else a GEMM straight into each output, rotated in place."""
     from fusetune.kernels._rotary import launch_rotation
     from fusetune.kernels.rope import SPEC as ROPE
     from fusetune.runtime import cached_config
@@ -325,16 +327,33 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, .
         raise ConfigError("qkv: UNFUSED=1 with FP8 activations: that mode runs fused only")
     m = x.shape[0]
     xn = norm_rows(x, g, eps)
-    for i, (w, out) in enumerate(zip(weights, outs, strict=True)):
-        _unfused.matmul(xn, w, None if scales is None else scales[i], out,
-                        None if biases is None else biases[i])
-    for w, out in zip(weights[:2], outs[:2], strict=True):
+    w_all = _unfused.stacked(*weights)
+    s_all = None if scales is None else _unfused.stacked(*scales)
+    b_all = None if biases is None else _unfused.stacked(*biases)
+    one_gemm = (w_all is not None and (scales is None or s_all is not None)
+                and (biases is None or b_all is not None))
+    if one_gemm:
+        ws = torch.empty((m, w_all.shape[0]), dtype=x.dtype, device=x.device)
+        _unfused.matmul(xn, w_all, s_all, ws, b_all)
+        cols = [0]
+        for w in weights:
+            cols.append(cols[-1] + w.shape[0])
+        parts = [ws[:, a:b] for a, b in itertools.pairwise(cols)]
+        outs[2].view(m, -1).copy_(parts[2])
+    else:
+        for i, (w, out) in enumerate(zip(weights, outs, strict=True)):
+            _unfused.matmul(xn, w, None if scales is None else scales[i], out.view(m, -1),
+                            None if biases is None else biases[i])
+        parts = [out.view(m, -1) for out in outs]
+    for w, part, out in zip(weights[:2], parts[:2], outs[:2], strict=False):
         heads = w.shape[0] // head_dim
-        rows = out.view(m // seq, seq, heads, head_dim)
+        src = part.view(m // seq, seq, heads, head_dim)  # the workspace's columns: row
+        # stride the stacked width
+        dst = out.view(m // seq, seq, heads, head_dim)
         dims = (("head_dim", head_dim), ("heads", heads), ("interleaved", int(interleaved)))
         cfg = cached_config(ROPE, dims, dtype_name(x.dtype), m, "", x.device, warn=False)
-        launch_rotation(rows, rows, cos, sin, interleaved, False, cfg)  # in place: each
-        # program reads its pairs before it writes them
+        launch_rotation(src, dst, cos, sin, interleaved, False, cfg)  # in place where src is
+        # dst: each program reads its pairs before it writes them
 
 
 def qkv(
@@ -493,11 +512,13 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     x = torch.randn(point.batch, point.seq, d, device=device)
     g = 1.0 + 0.1 * torch.randn(d, device=device)
 
-    def w(n_heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # FP8 points: quantized, with per-channel scales.
-        return fp8.spec_weight(torch.randn(n_heads * hd, d, device=device) / d**0.5, point)
-
-    (wq, sq), (wk, sk), (wv, sv) = w(dm["n_heads"]), w(dm["n_kv_heads"]), w(dm["n_kv_heads"])
+    # One stacked matrix, Wq, Wk and Wv views of it, as fusetune.patch holds them (the
+    # unfused form multiplies by all three in one GEMM there); per-channel scales alike.
+    nq, nkv = dm["n_heads"] * hd, dm["n_kv_heads"] * hd
+    w_all, s_all = fp8.spec_weight(torch.randn(nq + 2 * nkv, d, device=device) / d**0.5, point)
+    wq, wk, wv = w_all[:nq], w_all[nq:nq + nkv], w_all[nq + nkv:]
+    sq, sk, sv = (None,) * 3 if s_all is None else (s_all[:nq], s_all[nq:nq + nkv],
+                                                     s_all[nq + nkv:])
     # Each row of the batch at other positions (as in a left-padded batch), tables in x's
     # dtype as a rotary embedding returns them.
     positions = (torch.arange(point.seq, device=device)[None, :] + 5

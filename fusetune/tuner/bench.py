@@ -96,6 +96,10 @@ def _language_check(exc: BaseException | None) -> bool:
 
 # Points whose roofline floor (floor_us) is below this many µs are timed as graph replays.
 GRAPH_BELOW_US = 150.0
+# A plain launch is timed only where its launch path's host time is below this share of the
+# L2 flush that do_bench runs before each call (which the GPU spends while the host prepares
+# the launch): beyond it, the timing would include the GPU waiting for the host.
+HOST_SHARE_OF_FLUSH = 0.5
 
 
 def floor_us(spec: KernelSpec, point: Point, device: str | torch.device) -> float:
@@ -110,6 +114,42 @@ def floor_us(spec: KernelSpec, point: Point, device: str | torch.device) -> floa
     floor = spec.cost(point).floor_us(gpu.bandwidth_gbs or 1000.0, peak)
     assert floor is not None  # both rates are given
     return floor
+
+
+def host_us(fn: Callable[[], None], calls: int = 5) -> float:
+    """Median host time of a call of `fn` (a launch that has run before), in µs: from the call
+    to its return, the GPU idle before it (not synchronized after: the launch's own time)."""
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+_flush_us: dict[str, float] = {}
+
+
+def flush_us(device: str) -> float:
+    """GPU time of do_bench's L2 flush on `device` (its cache buffer zeroed), in µs, measured
+    once per process and device."""
+    if device not in _flush_us:
+        from triton import runtime
+
+        drv = runtime.driver.active
+        cache = drv.get_empty_cache_for_benchmark()
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        times = []
+        for _ in range(5):
+            start.record()
+            cache.zero_()  # what do_bench's clear_cache does
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        _flush_us[device] = statistics.median(times)
+    return _flush_us[device]
 
 
 def captured_launch(fn: Callable[[], None]) -> Callable[[], None]:
@@ -223,12 +263,15 @@ class Evaluator:
         graph of the launch (captured_launch): timing their plain launches timed the CPU
         wherever the launch path's Python took longer than do_bench's L2 flush (decode-sized
         kernels with many arguments, split-K's two launches). Longer kernels hide the launch
-        path and are timed as plain launches (no capture, no graph memory per config)."""
+        path and are timed as plain launches (no capture, no graph memory per config), unless
+        the config's launch path takes the host longer than HOST_SHARE_OF_FLUSH of do_bench's
+        L2 flush (an unfused config's several launches and cuBLAS calls): graph replays then
+        too."""
         fn = self._run(config)
         if self.backend == "cuda":
             from triton.testing import do_bench
 
-            if self.graphs:
+            if self.graphs or host_us(fn) > HOST_SHARE_OF_FLUSH * flush_us(self.device):
                 fn = captured_launch(fn)
             q = do_bench(fn, warmup=25, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
             return q[0] * 1e3, q[1] * 1e3, q[2] * 1e3
