@@ -1,8 +1,8 @@
 """End to end: tokens per second of Hugging Face generate() with fusetune.patch, beside
 transformers' own eager and compiled (static cache) paths and Liger Kernel, in one process.
 
-A Llama-family model is built from a config (a preset such as llama-3-8b, or a config.json
-path) with random weights on the GPU: nothing is downloaded. Every case generates the same
+A model of a family fusetune.patch runs is built from a config (a preset such as llama-3-8b
+or phi-3-mini, or a config.json path) with random weights on the GPU: nothing is downloaded. Every case generates the same
 greedy tokens' count (EOS off); tokens/s counts the new tokens of the whole batch over the
 whole generate() call, time to first token is a generate() of one new token. Before timing,
 the patched model's logits are compared with the model's own on teacher-forced positions
@@ -11,7 +11,8 @@ the patched model's logits are compared with the model's own on teacher-forced p
 Cases: hf-eager, hf-static (cache_implementation="static": transformers compiles the decode
 step with torch.compile and CUDA graphs), fusetune-eager, fusetune-static, fusetune-fp8 and
 fusetune-fp8-static (projections in FP8 e4m3, weight-only), liger-eager (Liger Kernel's
-patch, when installed; run last, as it patches transformers' module globally).
+patch of the model's family, when installed; run last, as it patches transformers' module
+globally).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from benchmarks.script_args import add_cases_option, chosen_cases, doc_summary
 CASES = ("hf-eager", "hf-static", "fusetune-eager", "fusetune-static", "fusetune-fp8",
          "fusetune-fp8-static", "liger-eager")
 NAMED = dict.fromkeys(CASES)
-# Llama-3-8B's shape (Mistral-7B shares it but for the vocabulary and rope).
+# Llama-3-8B's shape (Mistral-7B shares it but for the vocabulary and rope); Phi-3-mini's
+# (microsoft/Phi-3-mini-4k-instruct) built as a Phi3Config.
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                        num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256,
@@ -43,6 +45,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
                        num_key_value_heads=32, num_hidden_layers=32, vocab_size=32000,
                        rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "phi-3-mini": dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=32,
+                       num_key_value_heads=32, num_hidden_layers=32, vocab_size=32064,
+                       rms_norm_eps=1e-5, max_position_embeddings=4096, sliding_window=2047),
     # A check of the script itself, e.g. on the CPU through Triton's interpreter.
     "tiny": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                  num_key_value_heads=2, num_hidden_layers=2, vocab_size=128,
@@ -56,7 +61,8 @@ def build(model: str, dtype: torch.dtype, seed: int, layers: int | None) -> Any:
     import transformers
 
     if model in PRESETS:
-        config = transformers.LlamaConfig(**PRESETS[model])
+        cls = transformers.Phi3Config if model.startswith("phi-3") else transformers.LlamaConfig
+        config = cls(**PRESETS[model])
     else:
         path = Path(model)
         config = transformers.AutoConfig.from_pretrained(path.parent if path.is_file() else path)
@@ -298,18 +304,22 @@ def main() -> int:
         if "fusetune-fp8-static" in cases:
             measure("fusetune-fp8-static", True, "fusetune-fp8" not in cases)
     if "liger-eager" in cases:
+        model_type, apply = model.config.model_type, None
         try:
-            from liger_kernel.transformers import apply_liger_kernel_to_llama
+            from liger_kernel import transformers as liger
         except ImportError:
             print("liger-eager skipped: liger_kernel is not installed")
         else:
+            apply = getattr(liger, f"apply_liger_kernel_to_{model_type}", None)
+            if apply is None:
+                print(f"liger-eager skipped: Liger Kernel has no patch for {model_type!r}")
+        if apply is not None:
             del model
             gc.collect()
             torch.cuda.empty_cache()
             model = build(args.model, dtype, 0, args.layers)  # the same weights, 16-bit again
-            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True,
-                                        cross_entropy=False, fused_linear_cross_entropy=False,
-                                        model=model)
+            apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                  fused_linear_cross_entropy=False, model=model)
             measure("liger-eager", False, True)
 
     where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (interpreter)"

@@ -5,7 +5,7 @@
     fusetune.load_tables("tables.yaml")      # tables from `fusetune export` (or FUSETUNE_TABLES)
     fusetune.lookup("rmsnorm", {"dim": 4096}, "float16", rows=16)
     w1q, s1 = fusetune.quantize_fp8(w1)      # FP8 weights + per-channel scales, once per model
-    fusetune.patch(model)                    # a transformers Llama/Mistral/Qwen2 on the fused ops
+    fusetune.patch(model)                    # a transformers Llama, Qwen2, Phi-3, ...
     @fusetune.autotune(space=..., key=[...])  # your own @triton.jit kernel, tuned offline
 
 Importing fusetune loads the kernels lazily and never imports optuna or sqlalchemy.

@@ -42,6 +42,8 @@ PRESETS: dict[str, ModelPreset] = {
                     norm_eps=1e-5),
         ModelPreset("qwen2.5-7b", dim=3584, hidden=18944, n_heads=28, n_kv_heads=4, head_dim=128,
                     qkv_bias=True),
+        ModelPreset("phi-3-mini", dim=3072, hidden=8192, n_heads=32, n_kv_heads=32, head_dim=96,
+                    norm_eps=1e-5),
         ModelPreset("gpt2", dim=768, hidden=3072, n_heads=12, n_kv_heads=12, head_dim=64,
                     dtype="float32"),
         # Small enough for Triton's CPU interpreter (the default grid without a GPU).
@@ -50,7 +52,7 @@ PRESETS: dict[str, ModelPreset] = {
     )
 }
 # Model types whose config.json fusetune reads: the families fusetune.patch runs.
-CONFIG_TYPES = ("llama", "mistral", "qwen2")
+CONFIG_TYPES = ("llama", "mistral", "qwen2", "phi3")
 
 
 class ModelError(ValueError):

@@ -106,6 +106,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "rope_theta": 500000.0}
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
              "rope_theta": 10000.0}
+LONG_ROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8, 2.0, 2.5],
+             "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], "rope_theta": 10000.0,
+             "original_max_position_embeddings": 8}
 CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "llama": lambda: transformers.LlamaConfig(**SMALL, head_dim=16),
     "llama3-rope": lambda: transformers.LlamaConfig(**SMALL, head_dim=16,
@@ -115,6 +118,11 @@ CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),  # q/k/v with bias
     # YaRN scales cos and sin (attention_scaling != 1), which the fused qkv takes as they are
     "qwen2-yarn": lambda: transformers.Qwen2Config(**SMALL, rope_parameters=YARN_ROPE),
+    # one qkv_proj and one gate_up_proj, taken as views; a sliding window as Mistral's
+    "phi3": lambda: transformers.Phi3Config(**SMALL, sliding_window=6),
+    # LongRoPE: per-frequency factors and attention scaling, past the original context
+    "phi3-longrope": lambda: transformers.Phi3Config(**SMALL, rope_parameters=LONG_ROPE,
+                                                     original_max_position_embeddings=8),
 }
 
 
@@ -196,9 +204,11 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
     # gate and up: the halves of one matrix (the unfused ffn's one GEMM), q, k, v (and their
     # biases) the rows of one, no copy kept
     mlps = [layer.mlp for layer in model.model.layers]
-    assert all(_unfused.stacked(m.gate_proj.weight, m.up_proj.weight) is not None for m in mlps)
+    assert kind.startswith("phi3") or all(
+        _unfused.stacked(m.gate_proj.weight, m.up_proj.weight) is not None for m in mlps)
     attns = [layer.self_attn for layer in model.model.layers]
-    for a in attns:
+    fused = kind.startswith("phi3")  # qkv_proj, gate_up_proj: one matrix each already
+    for a in [] if fused else attns:
         lins = (a.q_proj, a.k_proj, a.v_proj)
         assert _unfused.stacked(*(lin.weight for lin in lins)) is not None
         if a.q_proj.bias is not None:
@@ -206,14 +216,15 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
 
     assert fusetune.unpatch(model) is model
     assert_restored(model, before)
-    assert all(m.gate_proj.weight.untyped_storage().data_ptr()
-               != m.up_proj.weight.untyped_storage().data_ptr() for m in mlps)
-    assert all(a.q_proj.weight.untyped_storage().data_ptr()
-               != a.k_proj.weight.untyped_storage().data_ptr() for a in attns)
+    if not fused:
+        assert all(m.gate_proj.weight.untyped_storage().data_ptr()
+                   != m.up_proj.weight.untyped_storage().data_ptr() for m in mlps)
+        assert all(a.q_proj.weight.untyped_storage().data_ptr()
+                   != a.k_proj.weight.untyped_storage().data_ptr() for a in attns)
     assert torch.equal(logits(model, ids, mask), want_logits)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "phi3"])
 def test_static_cache_generate(kind: str, ref_ops: dict[str, int]) -> None:
     model = tiny(kind)
     ids, mask = prompts()
@@ -222,7 +233,7 @@ def test_static_cache_generate(kind: str, ref_ops: dict[str, int]) -> None:
     assert torch.equal(greedy(model, ids, mask, cache_implementation="static"), want)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "phi3"])
 def test_cached_decode_step_matches_a_full_forward(kind: str, ref_ops: dict[str, int]) -> None:
     """The next token's logits from the KV cache of the prompt equal those of one forward over
     the prompt and that token: the cache is filled and read (a forward that misses the cache's
@@ -270,12 +281,16 @@ def test_output_attentions_still_reported(ref_ops: dict[str, int]) -> None:
         assert rel_err(g, w) <= 1e-5
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_fp8_weights(fmt: str, ref_ops: dict[str, int], capsys: pytest.CaptureFixture) -> None:
-    """FP8 projections match the model whose weights are the dequantized FP8 values."""
-    model = tiny("qwen2")
+@pytest.mark.parametrize(("kind", "fmt"), [("qwen2", "e4m3"), ("qwen2", "e5m2"),
+                                           ("phi3", "e4m3")])
+def test_fp8_weights(kind: str, fmt: str, ref_ops: dict[str, int],
+                     capsys: pytest.CaptureFixture) -> None:
+    """FP8 projections match the model whose weights are the dequantized FP8 values (Phi-3's
+    fused projections quantized whole: per-channel scales are per row of q, k, v alike)."""
+    model = tiny(kind)
     dequantized = copy.deepcopy(model)
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "qkv_proj", "gate_up_proj")
     with torch.no_grad():
         for name, module in dequantized.named_modules():
             if name.rsplit(".", 1)[-1] in projections:
@@ -285,13 +300,16 @@ def test_fp8_weights(fmt: str, ref_ops: dict[str, int], capsys: pytest.CaptureFi
     fusetune.patch(model, weights=f"fp8-{fmt}")
 
     line = capsys.readouterr().out
-    assert f"14 projection weights as fp8-{fmt}" in line and "MiB ->" in line
-    q_proj = model.model.layers[0].self_attn.q_proj
+    count = 8 if kind == "phi3" else 14
+    assert f"{count} projection weights as fp8-{fmt}" in line and "MiB ->" in line
+    q_proj = model.model.layers[0].self_attn.get_submodule("qkv_proj" if kind == "phi3"
+                                                           else "q_proj")
     assert q_proj.weight.dtype == getattr(torch, {"e4m3": "float8_e4m3fn",
                                                   "e5m2": "float8_e5m2"}[fmt])
     assert q_proj.weight_scale.shape == (q_proj.out_features,)
     assert "weight" not in dict(q_proj.named_parameters())  # the 16-bit parameter is gone
-    for layer in model.model.layers:  # FP8 weights, scales and biases stacked as 16-bit ones
+    for layer in [] if kind == "phi3" else model.model.layers:  # FP8 weights, scales and
+        # biases stacked as 16-bit ones
         lins = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")]
         for attr in ("weight", "weight_scale", "bias"):
             assert _unfused.stacked(*(getattr(lin, attr) for lin in lins)) is not None
@@ -372,6 +390,9 @@ def test_unsupported_model_type(ref_ops: dict[str, int]) -> None:
     ("mistral", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
                                      "rope_theta": 10000.0}},
      "rope type 'linear' is not one mistral models use; supported: default"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.75}},
+     "the rotary embedding covers 12 of head_dim 16"),
 ])
 def test_unsupported_layer(kind: str, overrides: dict, message: str,
                            ref_ops: dict[str, int]) -> None:
@@ -406,19 +427,22 @@ def test_bad_weights_value(ref_ops: dict[str, int]) -> None:
     assert_untouched(model, before)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3", "phi3-dropout"])
 def test_training_gradients_match_the_model(kind: str, ref_ops: dict[str, int]) -> None:
     """With gradients recorded the patched layers run ops with backward passes (the real
     kernels through the interpreter; never the fused inference ops) and every parameter's
-    gradient is the unpatched model's."""
+    gradient is the unpatched model's; Phi-3's residual dropouts drop the same elements (they
+    draw from the generator in the model's order)."""
     ids, mask = prompts()
     grads = []
     for patched in (False, True):
-        model = tiny(kind).train()
+        model = (tiny("phi3", resid_pdrop=0.25) if kind == "phi3-dropout" else tiny(kind))
+        model.train()
         model.config.attention_dropout = 0.0
         if patched:
             fusetune.patch(model)
             ref_ops.update(dict.fromkeys(ref_ops, 0))  # the self-check ran the fused ops
+        torch.manual_seed(7)
         out = model(input_ids=ids, attention_mask=mask, labels=ids)
         out.loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})

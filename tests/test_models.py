@@ -58,6 +58,19 @@ def test_config_json_gives_the_presets_dims(tmp_path: Path) -> None:
     assert patched_dims(qwen) == patched_dims(load_model("qwen2.5-7b"))
 
 
+def test_phi3_config_and_preset(tmp_path: Path) -> None:
+    # Phi-3-mini's config.json (microsoft/Phi-3-mini-4k-instruct): no head_dim field, 32 key /
+    # value heads (no GQA), one qkv_proj and one gate_up_proj, whose row blocks are the points
+    phi3 = {"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192,
+            "num_attention_heads": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-5,
+            "torch_dtype": "bfloat16"}
+    m = load_model(str(write(tmp_path, phi3)))
+    assert (m.dim, m.hidden, m.n_heads, m.n_kv_heads, m.head_dim, m.qkv_bias) == (
+        3072, 8192, 32, 32, 96, False)
+    assert patched_dims(m) == patched_dims(load_model("phi-3-mini"))
+    assert patched_dims(m)["linear"][1] == {"dim": 8192, "out": 3072, "bias": 0, "residual": 1}
+
+
 def test_patched_model_points() -> None:
     dims = patched_dims(load_model("llama-3-8b"))
     assert dims["qkv"] == [{"dim": 4096, "head_dim": 128, "interleaved": 0, "n_heads": 32,

@@ -5,19 +5,21 @@
     model = fusetune.patch(model, weights="fp8-e4m3", activations="fp8")  # FP8 products too
     fusetune.unpatch(model)                             # the model's own forwards again
 
-What is swapped, per family (Llama, Mistral, Qwen2): the `forward` of module *instances* (never
-of the classes, so other models of the same family in the process stay as they are), bound with
-`types.MethodType`; no module and no parameter is replaced (unless weights are FP8):
+What is swapped, per family (Llama, Mistral, Qwen2, Phi-3): the `forward` of module *instances*
+(never of the classes, so other models of the same family in the process stay as they are),
+bound with `types.MethodType`; no module and no parameter is replaced (unless weights are FP8):
 
-- each attention module: input_layernorm + q/k/v (+ the Qwen2 biases) + RoPE -> `ops.qkv`, with
+- each attention module: input_layernorm + q/k/v (+ the Qwen2 biases; Phi-3's one qkv_proj as
+  views of its row blocks) + RoPE -> `ops.qkv`, with
   the cos/sin the model's rotary embedding computed (so every rope_scaling type comes out as the
   model computes it); then the model's own KV cache update and attention function, chosen as the
   module chooses it; o_proj + the residual add that follows it -> `ops.linear`. It therefore
   takes the layer's input (before the norm) and returns that input plus the attention block's
   output, with the attention weights beside it as before (so `output_attentions` still works
   through the model's hooks on the attention modules);
-- each decoder layer: the attention module as above, then post_attention_layernorm + gate/up +
-  SiLU·mul -> `ops.ffn`, down_proj + the residual add -> `ops.linear`;
+- each decoder layer: the attention module as above, then post_attention_layernorm + gate/up
+  (Phi-3's gate_up_proj as views of its halves) + SiLU·mul -> `ops.ffn`, down_proj + the
+  residual add -> `ops.linear` (Phi-3's residual dropouts, where they drop, before the add);
 - the final norm -> `ops.rmsnorm`.
 
 With gradients recorded, each patched layer runs its training path instead: fusetune.rmsnorm,
@@ -60,9 +62,6 @@ _STATE = "_fusetune_patch"  # attribute of the patched base model (LlamaModel, .
 # `hf` extra of pyproject.toml allows the same range
 TESTED_TRANSFORMERS = ">=5.17,<5.25"
 ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
-PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-               ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
-               ("mlp", "down_proj"))
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,25 @@ class Family:
     qkv_bias: bool
     rope_types: tuple[str, ...]
     sliding_window: Callable[[nn.Module], int | None] | None = None
+    # Phi-3: one qkv_proj (q, k, v rows in that order) and one gate_up_proj (gate rows first),
+    # whose row blocks the fused ops take as views; dropout on each block's output before its
+    # residual add (resid_attn_dropout, resid_mlp_dropout on the decoder layer)
+    fused: bool = False
+
+    @property
+    def attn_projections(self) -> tuple[str, ...]:
+        """The attention's input projections, in the order of their rows in q, k, v."""
+        return ("qkv_proj",) if self.fused else ("q_proj", "k_proj", "v_proj")
+
+    @property
+    def mlp_projections(self) -> tuple[str, ...]:
+        return ("gate_up_proj",) if self.fused else ("gate_proj", "up_proj")
+
+    @property
+    def projections(self) -> tuple[tuple[str, str], ...]:
+        """(parent, name) of every projection: what FP8 weights quantize."""
+        return (*(("self_attn", n) for n in self.attn_projections), ("self_attn", "o_proj"),
+                *(("mlp", n) for n in self.mlp_projections), ("mlp", "down_proj"))
 
     def modeling(self) -> types.ModuleType:
         return importlib.import_module(f"transformers.models.{self.name}.modeling_{self.name}")
@@ -99,6 +117,9 @@ FAMILIES: tuple[Family, ...] = (
     # Qwen2.5's long-context configs add YaRN scaling
     Family("qwen2", "Qwen2", qkv_bias=True, rope_types=("default", "yarn"),
            sliding_window=lambda attn: attn.sliding_window),
+    # Phi-3 and 3.5 mini / medium; the 128K-context configs scale by LongRoPE
+    Family("phi3", "Phi3", qkv_bias=False, rope_types=("default", "longrope"),
+           sliding_window=lambda attn: getattr(attn.config, "sliding_window", None), fused=True),
 )
 
 
@@ -149,8 +170,8 @@ class PatchState:
 
 def patch(model: nn.Module, *, weights: str | None = None, activations: str | None = None,
           verify: bool = True) -> nn.Module:
-    """Runs the transformers causal LM `model` (Llama, Mistral, Qwen2 families; also their base
-    models, e.g. LlamaModel) through fusetune's fused ops, in place; returns `model`.
+    """Runs the transformers causal LM `model` (Llama, Mistral, Qwen2, Phi-3 families; also their
+    base models, e.g. LlamaModel) through fusetune's fused ops, in place; returns `model`.
 
     weights: None keeps the model's weights; "fp8-e4m3" or "fp8-e5m2" quantizes every
     projection (q, k, v, o, gate, up, down) once, with one float32 scale per output channel
@@ -218,8 +239,8 @@ def patch(model: nn.Module, *, weights: str | None = None, activations: str | No
         finally:
             _unbind_all(state)
     if weights:
-        _quantize(base, weights.removeprefix("fp8-"))
-    state.stacked = _stack_projections(base)
+        _quantize(base, family, weights.removeprefix("fp8-"))
+    state.stacked = _stack_projections(base, family)
     _bind_all(state, base, family, api, fp8=bool(weights), act=bool(activations))
     setattr(base, _STATE, state)
     _drop_compiled(model)
@@ -251,7 +272,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     for module, _ in state.forwards:
         del module.forward
     if state.stacked:
-        _unstack_projections(base)
+        _unstack_projections(base, _family_named(state.family))
     delattr(base, _STATE)
     _drop_compiled(model)
     return model
@@ -279,6 +300,10 @@ def _warn_if_untested() -> None:
             "the patched layers with the model's own before it returns, but the other paths "
             "(training, the static cache) were not tested with this release", FusetuneWarning,
             stacklevel=3)
+
+
+def _family_named(name: str) -> Family:
+    return next(f for f in FAMILIES if f.name == name)
 
 
 def _recognise(model: nn.Module, who: str) -> tuple[Family, nn.Module]:
@@ -339,25 +364,34 @@ def _check_layer(family: Family, layer: nn.Module, at: str, rotary: nn.Module) -
     n_heads, n_kv = config.num_attention_heads, config.num_key_value_heads
     if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"{at}: head_dim={head_dim!r}; RoPE needs a positive even head_dim")
-    want = {"q_proj": n_heads * head_dim, "k_proj": n_kv * head_dim, "v_proj": n_kv * head_dim}
-    for name, out in want.items():
-        lin = getattr(attn, name)
+    rows = {"q_proj": n_heads * head_dim, "k_proj": n_kv * head_dim, "v_proj": n_kv * head_dim,
+            "qkv_proj": (n_heads + 2 * n_kv) * head_dim}
+    for name in family.attn_projections:
+        lin, out = getattr(attn, name), rows[name]
         if lin.out_features != out or lin.in_features != config.hidden_size:
             raise ValueError(f"{at}: {name} is {lin.out_features}×{lin.in_features}, expected "
                              f"{out}×{config.hidden_size} (heads {n_heads}/{n_kv}, head_dim "
                              f"{head_dim}, hidden_size {config.hidden_size})")
+    hidden = config.intermediate_size
+    for name in family.mlp_projections:
+        lin = getattr(mlp, name)
+        out = 2 * hidden if name == "gate_up_proj" else hidden
+        if lin.out_features != out or lin.in_features != config.hidden_size:
+            raise ValueError(f"{at}: {name} is {lin.out_features}×{lin.in_features}, expected "
+                             f"{out}×{config.hidden_size} (intermediate_size {hidden})")
     rotary_dim = 2 * rotary.inv_freq.numel()
     if rotary_dim != head_dim:
         raise ValueError(f"{at}: the rotary embedding covers {rotary_dim} of head_dim {head_dim}; "
-                         "the fused qkv rotates the whole head")
-    for name in ("q_proj", "k_proj", "v_proj"):
+                         "the fused qkv rotates the whole head (partial_rotary_factor 1)")
+    for name in family.attn_projections:
         if (getattr(attn, name).bias is not None) != family.qkv_bias:
             has = "has" if family.qkv_bias is False else "lacks"
             raise ValueError(f"{at}: {name} {has} a bias; {family.name} q/k/v projections are "
                              f"{'with' if family.qkv_bias else 'without'} bias "
                              "(attention_bias is not supported)")
-    biased = [n for n, lin in (("o_proj", attn.o_proj), ("gate_proj", mlp.gate_proj),
-                               ("up_proj", mlp.up_proj), ("down_proj", mlp.down_proj))
+    biased = [n for n, lin in [("o_proj", attn.o_proj),
+                               *((n, getattr(mlp, n)) for n in family.mlp_projections),
+                               ("down_proj", mlp.down_proj)]
               if lin.bias is not None]
     if biased:
         raise ValueError(f"{at}: {', '.join(biased)} with bias (attention_bias / mlp_bias); "
@@ -410,8 +444,10 @@ def _bind_all(state: PatchState, base: nn.Module, family: Family, api: CacheApi,
     eager = family.modeling().eager_attention_forward
     for layer in base.layers:
         _bind(state, layer.self_attn, _attention_forward(
-            layer.input_layernorm, family.sliding_window, eager, api, fp8, act))
-        _bind(state, layer, _layer_forward(api, fp8, act))
+            layer.input_layernorm, family, eager, api, fp8, act,
+            getattr(layer, "resid_attn_dropout", None)))
+        _bind(state, layer, _layer_forward(family, api, fp8, act,
+                                           getattr(layer, "resid_mlp_dropout", None)))
     _bind(state, base.norm, _norm_forward)
 
 
@@ -427,13 +463,17 @@ def _drop_compiled(model: nn.Module) -> None:
     model.__dict__.pop("_compiled_call", None)
 
 
-# The projections that read the same input: where the tables choose the unfused form
-# (UNFUSED = 1), one GEMM multiplies by each group's stacked matrix.
-STACKED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+def _stacked_groups(family: Family) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The projections that read the same input, in separate modules: where the tables choose
+    the unfused form (UNFUSED = 1), one GEMM multiplies by each group's stacked matrix (a
+    family's fused projections are one matrix already)."""
+    return tuple((parent, names) for parent, names in (("self_attn", family.attn_projections),
+                                                       ("mlp", family.mlp_projections))
+                 if len(names) > 1)
 
 
 @torch.no_grad()
-def _stack_projections(base: nn.Module) -> bool:
+def _stack_projections(base: nn.Module, family: Family) -> bool:
     """Each layer's q, k, v weights become consecutive rows of one matrix, its gate and up
     weights likewise (one copy made a group at a time; the separate tensors are freed); FP8
     scales and biases (where every projection of the group has one) the same way. False where
@@ -442,7 +482,7 @@ def _stack_projections(base: nn.Module) -> bool:
     from fusetune.kernels import _unfused
 
     groups = [[getattr(getattr(layer, parent), n) for n in names]
-              for layer in base.layers for parent, names in STACKED]
+              for layer in base.layers for parent, names in _stacked_groups(family)]
     todo: list[list[tuple[nn.Module, str]]] = []
     for lins in groups:
         for attr in ("weight", "weight_scale", "bias"):
@@ -475,11 +515,11 @@ def _stack_projections(base: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def _unstack_projections(base: nn.Module) -> None:
+def _unstack_projections(base: nn.Module, family: Family) -> None:
     """Undoes _stack_projections for 16-bit weights: each tensor one of its own again (state
     dicts with shared storage are refused by safetensors' save)."""
     for layer in base.layers:
-        for parent, names in STACKED:
+        for parent, names in _stacked_groups(family):
             for n in names:
                 lin = getattr(getattr(layer, parent), n)
                 for p in (lin.weight, lin.bias):
@@ -488,15 +528,15 @@ def _unstack_projections(base: nn.Module) -> None:
 
 
 @torch.no_grad()
-def _quantize(base: nn.Module, fmt: str) -> None:
+def _quantize(base: nn.Module, family: Family, fmt: str) -> None:
     """Every projection's weight -> buffers `weight` (FP8) and `weight_scale` (float32 [out]),
     one projection at a time so that the extra memory is one projection's."""
     from fusetune.kernels.fp8 import quantize_fp8
 
     before = after = count = 0
-    total = len(base.layers) * len(PROJECTIONS)
+    total = len(base.layers) * len(family.projections)
     for i, layer in enumerate(base.layers):
-        for parent, name in PROJECTIONS:
+        for parent, name in family.projections:
             lin = getattr(getattr(layer, parent), name)
             w = lin.weight
             try:
@@ -541,13 +581,52 @@ def _scale(lin: nn.Module, fp8: bool) -> torch.Tensor | None:
     return lin.weight_scale if fp8 else None
 
 
-def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], int | None] | None,
-                       eager: Callable[..., Any], api: CacheApi, fp8: bool, act: bool = False
-                       ) -> Callable[..., Any]:
+def _rows(lins: list[nn.Module], attr: str, sizes: tuple[int, ...]) -> list[Any]:
+    """Each of q, k, v's (or gate's and up's) `attr` tensor (weight, weight_scale, bias; None
+    where absent): the modules' own, or for one fused module, views of its row blocks."""
+    if len(lins) == len(sizes):
+        return [getattr(lin, attr, None) for lin in lins]
+    t = getattr(lins[0], attr, None)
+    if t is None:
+        return [None] * len(sizes)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [t[a:a + n] for a, n in zip(starts, sizes, strict=True)]
+
+
+def _qkv_tensors(attn: nn.Module, family: Family, fp8: bool
+                 ) -> tuple[list[torch.Tensor], list[Any], list[Any]]:
+    """(weights, FP8 scales or Nones, biases or Nones) of q, k and v."""
+    lins = [getattr(attn, n) for n in family.attn_projections]
+    kv = attn.config.num_key_value_heads * attn.head_dim
+    sizes = (attn.config.num_attention_heads * attn.head_dim, kv, kv)
+    scales = _rows(lins, "weight_scale", sizes) if fp8 else [None] * 3
+    return _rows(lins, "weight", sizes), scales, _rows(lins, "bias", sizes)
+
+
+def _gate_up_tensors(mlp: nn.Module, family: Family, fp8: bool
+                     ) -> tuple[list[torch.Tensor], list[Any]]:
+    """(weights, FP8 scales or Nones) of the gate and up projections."""
+    lins = [getattr(mlp, n) for n in family.mlp_projections]
+    hidden = lins[-1].out_features // (2 if family.fused else 1)
+    scales = _rows(lins, "weight_scale", (hidden, hidden)) if fp8 else [None] * 2
+    return _rows(lins, "weight", (hidden, hidden)), scales
+
+
+def _dropping(drop: nn.Module | None) -> bool:
+    """Whether a residual dropout module (Phi-3's) drops anything in this call."""
+    return drop is not None and drop.training and drop.p > 0
+
+
+def _attention_forward(norm: nn.Module, family: Family, eager: Callable[..., Any],
+                       api: CacheApi, fp8: bool, act: bool = False,
+                       drop: nn.Module | None = None) -> Callable[..., Any]:
     """The attention module's forward (signature of LlamaAttention.forward; the KV cache comes
     as `cache` or `past_key_values`, see CacheApi), with the layer's input norm folded in and
-    the residual add after o_proj."""
+    the residual add after o_proj (after the layer's dropout `drop` of the block's output,
+    where the family has one)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sliding_window = family.sliding_window
 
     def forward(self: nn.Module, hidden_states: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -560,20 +639,18 @@ def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], in
         input_shape = hidden_states.shape[:-1]
         head_shape = (*input_shape, -1, self.head_dim)
         cos, sin = position_embeddings
-        q_proj, k_proj, v_proj = self.q_proj, self.k_proj, self.v_proj
+        (wq, wk, wv), (sq, sk, sv), (bq, bk, bv) = _qkv_tensors(self, family, fp8)
         if train:
             # ops with backward passes; the projections are cuBLAS matmuls
             h = rmsnorm(hidden_states, norm.weight, eps=norm.variance_epsilon)
-            q, k, v = (F.linear(h, p.weight, p.bias).view(head_shape)
-                       for p in (q_proj, k_proj, v_proj))
+            q, k, v = (F.linear(h, w, b).view(head_shape)
+                       for w, b in ((wq, bq), (wk, bk), (wv, bv)))
             q = rope(q, cos, sin, interleaved=False)
             k = rope(k, cos, sin, interleaved=False)
         else:
-            q, k, v = ops.qkv(hidden_states, norm.weight, q_proj.weight, k_proj.weight,
-                              v_proj.weight, cos, sin, norm.variance_epsilon, self.head_dim,
-                              bq=q_proj.bias, bk=k_proj.bias, bv=v_proj.bias,
-                              wq_scale=_scale(q_proj, fp8), wk_scale=_scale(k_proj, fp8),
-                              wv_scale=_scale(v_proj, fp8), fp8_activations=act)
+            q, k, v = ops.qkv(hidden_states, norm.weight, wq, wk, wv, cos, sin,
+                              norm.variance_epsilon, self.head_dim, bq=bq, bk=bk, bv=bv,
+                              wq_scale=sq, wk_scale=sk, wv_scale=sv, fp8_activations=act)
         query_states = q.view(head_shape).transpose(1, 2)
         key_states = k.view(head_shape).transpose(1, 2)
         value_states = v.view(head_shape).transpose(1, 2)
@@ -595,7 +672,12 @@ def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], in
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         o_proj = self.o_proj
         if train:
-            return hidden_states + F.linear(attn_output, o_proj.weight), attn_weights
+            out = F.linear(attn_output, o_proj.weight)
+            return hidden_states + (drop(out) if drop is not None else out), attn_weights
+        if _dropping(drop):
+            out = ops.linear(attn_output, o_proj.weight, weight_scale=_scale(o_proj, fp8),
+                             fp8_activations=act)
+            return hidden_states + drop(out), attn_weights
         out = ops.linear(attn_output, o_proj.weight, residual=hidden_states,
                          weight_scale=_scale(o_proj, fp8), fp8_activations=act)
         return out, attn_weights
@@ -603,9 +685,11 @@ def _attention_forward(norm: nn.Module, sliding_window: Callable[[nn.Module], in
     return forward
 
 
-def _layer_forward(api: CacheApi, fp8: bool, act: bool = False) -> Callable[..., Any]:
+def _layer_forward(family: Family, api: CacheApi, fp8: bool, act: bool = False,
+                   drop: nn.Module | None = None) -> Callable[..., Any]:
     """The decoder layer's forward (signature and return convention of LlamaDecoderLayer.forward:
-    the new hidden states alone; the KV cache as `cache` or `past_key_values`)."""
+    the new hidden states alone; the KV cache as `cache` or `past_key_values`); `drop`: the
+    layer's dropout of the MLP's output before its residual add, where the family has one."""
 
     def forward(self: nn.Module, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None,
@@ -621,14 +705,18 @@ def _layer_forward(api: CacheApi, fp8: bool, act: bool = False) -> Callable[...,
             hidden_states=hidden_states, attention_mask=attention_mask,
             position_ids=position_ids, use_cache=use_cache,
             position_embeddings=position_embeddings, **kwargs)
-        norm, mlp = self.post_attention_layernorm, self.mlp
-        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        norm, down = self.post_attention_layernorm, self.mlp.down_proj
+        (gate, up), (s_gate, s_up) = _gate_up_tensors(self.mlp, family, fp8)
         if _wants_grad(self, hidden_states, fp8):
             h = rmsnorm(hidden_states, norm.weight, eps=norm.variance_epsilon)
-            a = swiglu(F.linear(h, gate.weight), F.linear(h, up.weight))
-            return hidden_states + F.linear(a, down.weight)
-        h = ops.ffn(hidden_states, norm.weight, gate.weight, up.weight, norm.variance_epsilon,
-                    gate_scale=_scale(gate, fp8), up_scale=_scale(up, fp8), fp8_activations=act)
+            out = F.linear(swiglu(F.linear(h, gate), F.linear(h, up)), down.weight)
+            return hidden_states + (drop(out) if drop is not None else out)
+        h = ops.ffn(hidden_states, norm.weight, gate, up, norm.variance_epsilon,
+                    gate_scale=s_gate, up_scale=s_up, fp8_activations=act)
+        if _dropping(drop):
+            return hidden_states + drop(ops.linear(h, down.weight,
+                                                   weight_scale=_scale(down, fp8),
+                                                   fp8_activations=act))
         return ops.linear(h, down.weight, residual=hidden_states,
                           weight_scale=_scale(down, fp8), fp8_activations=act)
 
