@@ -2,11 +2,11 @@
 transformers' own eager and compiled (static cache) paths and Liger Kernel, in one process.
 
 A model of a family fusetune.patch runs is built from a config (a preset such as llama-3-8b
-or phi-3-mini, or a config.json path) with random weights on the GPU: nothing is downloaded. Every case generates the same
-greedy tokens' count (EOS off); tokens/s counts the new tokens of the whole batch over the
-whole generate() call, time to first token is a generate() of one new token. Before timing,
-the patched model's logits are compared with the model's own on teacher-forced positions
-(relative error and top-1 agreement).
+or phi-3-mini, or a config.json path) with random weights on the GPU: nothing is downloaded.
+Every case generates the same greedy tokens' count (EOS off); tokens/s counts the new tokens
+of the whole batch over the whole generate() call, time to first token is a generate() of one
+new token. Before timing, the patched model's logits are compared with the model's own on
+teacher-forced positions (relative error and top-1 agreement).
 
 Cases: hf-eager, hf-static (cache_implementation="static": transformers compiles the decode
 step with torch.compile and CUDA graphs), fusetune-eager, fusetune-static, fusetune-fp8 and
