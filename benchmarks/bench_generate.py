@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.script_args import add_cases_option, chosen_cases, doc_summary
+from benchmarks.script_args import add_cases_option, chosen_cases, device_usable, doc_summary
 
 CASES = ("hf-eager", "hf-static", "fusetune-eager", "fusetune-static", "fusetune-fp8",
          "fusetune-fp8-static", "liger-eager")
@@ -226,12 +225,7 @@ def main() -> int:
     cases = chosen_cases(ap, args.cases, NAMED, CASES)
     global DEVICE
     DEVICE = args.device
-    if DEVICE == "cuda" and not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)", file=sys.stderr)
-        return 1
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print("--device cpu runs fusetune's kernels through Triton's interpreter: set "
-              "TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+    if not device_usable(DEVICE):
         return 1
     import transformers
 

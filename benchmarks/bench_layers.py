@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import os
 import sys
 
 import torch
 
 from benchmarks import bench_generate
-from benchmarks.script_args import doc_summary
+from benchmarks.script_args import device_usable, doc_summary
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -56,12 +55,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: the kernels through Triton's interpreter (TRITON_INTERPRET=1)")
     args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)", file=sys.stderr)
-        return 1
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        print("--device cpu runs fusetune's kernels through Triton's interpreter: set "
-              "TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+    if not device_usable(args.device):
         return 1
     import transformers
 

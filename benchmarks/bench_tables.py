@@ -63,7 +63,7 @@ class Entry:
     failed: dict[str, str] = field(default_factory=dict)
     measured: bool = False
     # Beside the entry and the default: the kernel's unfused form (UNFUSED = 1) where it has
-    # one, and torch.compile of the model's torch code (where COMPILED knows it), in µs.
+    # one, and torch.compile of the model's torch code (where _eager has it), in µs.
     unfused: dict[str, int] | None = None
     compile_us: list[float] = field(default_factory=list)
 

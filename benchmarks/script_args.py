@@ -1,9 +1,11 @@
 """Command-line pieces the benchmark scripts share: their --help text, taken from their
-docstrings, and --cases (a subset of a script's named cases)."""
+docstrings, --cases (a subset of a script's named cases), and the check of --device."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Mapping, Sequence
 
 
@@ -29,3 +31,18 @@ def chosen_cases(ap: argparse.ArgumentParser, value: str | None, named: Mapping[
     if bad:
         ap.error(f"unknown case(s) {','.join(bad)}; valid: {','.join(named)}")
     return names
+
+
+def device_usable(device: str) -> bool:
+    """Whether the scripts that run whole models can run on `device` ("cuda", or "cpu" through
+    Triton's interpreter); where not, one line on stderr says why."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1)", file=sys.stderr)
+        return False
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        print("--device cpu runs fusetune's kernels through Triton's interpreter: set "
+              "TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+        return False
+    return True
