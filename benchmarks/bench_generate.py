@@ -35,8 +35,9 @@ from benchmarks.script_args import add_cases_option, chosen_cases, device_usable
 CASES = ("hf-eager", "hf-static", "fusetune-eager", "fusetune-static", "fusetune-fp8",
          "fusetune-fp8-static", "liger-eager")
 NAMED = dict.fromkeys(CASES)
-# Llama-3-8B's shape (Mistral-7B shares it but for the vocabulary and rope); Phi-3-mini's
-# (microsoft/Phi-3-mini-4k-instruct) built as a Phi3Config.
+# Llama-3-8B's shape (Mistral-7B shares it but for the vocabulary and rope); Qwen3-8B's,
+# Gemma-2-9B's, Gemma-3-12B's (its language model) and Phi-3-mini's as their families' configs
+# (build()).
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                        num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256,
@@ -44,6 +45,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
                        num_key_value_heads=32, num_hidden_layers=32, vocab_size=32000,
                        rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, num_hidden_layers=36,
+                     vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960),
+    "gemma-2-9b": dict(hidden_size=3584, intermediate_size=14336, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=256, num_hidden_layers=42,
+                       vocab_size=256000, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+                       sliding_window=4096, max_position_embeddings=8192),
+    "gemma-3-12b": dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=256, num_hidden_layers=48,
+                        vocab_size=262208, rms_norm_eps=1e-6, query_pre_attn_scalar=256,
+                        sliding_window=1024, max_position_embeddings=131072,
+                        rope_parameters={
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                               "rope_theta": 1e6}}),
     "phi-3-mini": dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=32,
                        num_key_value_heads=32, num_hidden_layers=32, vocab_size=32064,
                        rms_norm_eps=1e-5, max_position_embeddings=4096, sliding_window=2047),
@@ -60,7 +76,9 @@ def build(model: str, dtype: torch.dtype, seed: int, layers: int | None) -> Any:
     import transformers
 
     if model in PRESETS:
-        cls = transformers.Phi3Config if model.startswith("phi-3") else transformers.LlamaConfig
+        cls = {"qwen3-8b": transformers.Qwen3Config, "gemma-2-9b": transformers.Gemma2Config,
+               "gemma-3-12b": transformers.Gemma3TextConfig,
+               "phi-3-mini": transformers.Phi3Config}.get(model, transformers.LlamaConfig)
         config = cls(**PRESETS[model])
     else:
         path = Path(model)

@@ -58,11 +58,13 @@ def rmsnorm(
     weight: Tensor,
     *,
     eps: float,
+    residual: Tensor | None = None,
     config: Mapping[str, int] | None = None,
 ) -> Tensor:
     if torch.compiler.is_compiling():
-        return ops._rmsnorm_op(x, weight, eps, ops.config_arg(_rmsnorm.SPEC, config))
-    return _rmsnorm.rmsnorm(x, weight, eps=eps, config=config)
+        out = ops._rmsnorm_op(x, weight, eps, ops.config_arg(_rmsnorm.SPEC, config))
+        return out if residual is None else residual + out
+    return _rmsnorm.rmsnorm(x, weight, eps=eps, residual=residual, config=config)
 
 
 @_documented_as(_rmsnorm_bwd.rmsnorm_bwd, "rmsnorm_bwd")
@@ -135,22 +137,25 @@ def qkv(
     wq_scale: Tensor | None = None,
     wk_scale: Tensor | None = None,
     wv_scale: Tensor | None = None,
+    q_norm: Tensor | None = None,
+    k_norm: Tensor | None = None,
+    qk_eps: float | None = None,
     fp8_activations: bool = False,
     config: Mapping[str, int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if torch.compiler.is_compiling():
-        check_no_grad("qkv", x, rms_weight, wq, wk, wv, bq, bk, bv)
+        check_no_grad("qkv", x, rms_weight, wq, wk, wv, bq, bk, bv, q_norm, k_norm)
         q, k, v = ops._qkv_op(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, bq, bk, bv,
                               wq_scale, wk_scale, wv_scale, fp8_activations, interleaved,
-                              ops.config_arg(_qkv.SPEC, config))
+                              ops.config_arg(_qkv.SPEC, config), q_norm, k_norm, qk_eps)
         # The op's outputs are [batch, seq, heads·head_dim]; the launcher's, split by head.
         bsz, seq = x.shape[0], x.shape[1]
         return (q.view(bsz, seq, -1, head_dim), k.view(bsz, seq, -1, head_dim),
                 v.view(bsz, seq, -1, head_dim))
     return _qkv.qkv(x, rms_weight, wq, wk, wv, cos, sin, eps=eps, head_dim=head_dim,
                     interleaved=interleaved, bq=bq, bk=bk, bv=bv, wq_scale=wq_scale,
-                    wk_scale=wk_scale, wv_scale=wv_scale, fp8_activations=fp8_activations,
-                    config=config)
+                    wk_scale=wk_scale, wv_scale=wv_scale, q_norm=q_norm, k_norm=k_norm,
+                    qk_eps=qk_eps, fp8_activations=fp8_activations, config=config)
 
 
 @_documented_as(_ffn.ffn, "ffn")
@@ -163,15 +168,16 @@ def ffn(
     eps: float,
     w1_scale: Tensor | None = None,
     w3_scale: Tensor | None = None,
+    activation: str = "silu",
     fp8_activations: bool = False,
     config: Mapping[str, int] | None = None,
 ) -> Tensor:
     if torch.compiler.is_compiling():
         check_no_grad("ffn", x, rms_weight, w1, w3)
         return ops._ffn_op(x, rms_weight, w1, w3, eps, w1_scale, w3_scale, fp8_activations,
-                           ops.config_arg(_ffn.SPEC, config))
+                           ops.config_arg(_ffn.SPEC, config), activation)
     return _ffn.ffn(x, rms_weight, w1, w3, eps=eps, w1_scale=w1_scale, w3_scale=w3_scale,
-                    fp8_activations=fp8_activations, config=config)
+                    activation=activation, fp8_activations=fp8_activations, config=config)
 
 
 @_documented_as(_linear.linear, "linear")

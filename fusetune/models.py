@@ -22,6 +22,9 @@ class ModelPreset:
     head_dim: int
     norm_eps: float = 1e-6
     qkv_bias: bool = False  # Qwen2's q/k/v projections have a bias
+    qk_norm: bool = False  # Qwen3's RMSNorm of each q and k head before RoPE
+    mlp_act: str = "silu"  # the MLP gate's activation (fusetune.kernels.ffn.ACTIVATIONS)
+    post_norms: bool = False  # Gemma: o_proj's and down_proj's outputs normalized, then added
     dtype: str = "bfloat16"  # the dtype the model ships in
 
 
@@ -42,6 +45,12 @@ PRESETS: dict[str, ModelPreset] = {
                     norm_eps=1e-5),
         ModelPreset("qwen2.5-7b", dim=3584, hidden=18944, n_heads=28, n_kv_heads=4, head_dim=128,
                     qkv_bias=True),
+        ModelPreset("gemma-2-9b", dim=3584, hidden=14336, n_heads=16, n_kv_heads=8,
+                    head_dim=256, mlp_act="gelu_tanh", post_norms=True),
+        ModelPreset("gemma-3-12b", dim=3840, hidden=15360, n_heads=16, n_kv_heads=8,
+                    head_dim=256, mlp_act="gelu_tanh", post_norms=True, qk_norm=True),
+        ModelPreset("qwen3-8b", dim=4096, hidden=12288, n_heads=32, n_kv_heads=8, head_dim=128,
+                    qk_norm=True),
         ModelPreset("phi-3-mini", dim=3072, hidden=8192, n_heads=32, n_kv_heads=32, head_dim=96,
                     norm_eps=1e-5),
         ModelPreset("gpt2", dim=768, hidden=3072, n_heads=12, n_kv_heads=12, head_dim=64,
@@ -52,7 +61,8 @@ PRESETS: dict[str, ModelPreset] = {
     )
 }
 # Model types whose config.json fusetune reads: the families fusetune.patch runs.
-CONFIG_TYPES = ("llama", "mistral", "qwen2", "phi3")
+CONFIG_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+GEMMA = ("gemma2", "gemma3_text")
 
 
 class ModelError(ValueError):
@@ -93,6 +103,11 @@ def load_model(name_or_path: str) -> ModelPreset:
 def from_hf_config(config: Mapping[str, Any], source: str) -> ModelPreset:
     """The dims of a Hugging Face config (a config.json's contents) of a supported family."""
     model_type = config.get("model_type")
+    if model_type == "gemma3" and isinstance(config.get("text_config"), Mapping):
+        # Gemma 3's multimodal checkpoints: fusetune.patch runs the language model
+        config = {"torch_dtype": config.get("torch_dtype"), **config["text_config"],
+                  "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
     if model_type not in CONFIG_TYPES:
         raise ModelError(f"{source}: model_type {model_type!r} is not supported; supported: "
                          f"{', '.join(CONFIG_TYPES)}")
@@ -117,7 +132,8 @@ def from_hf_config(config: Mapping[str, Any], source: str) -> ModelPreset:
         name=str(config.get("_name_or_path") or Path(source).parent.name or model_type),
         dim=dim, hidden=field("intermediate_size"), n_heads=n_heads, n_kv_heads=int(n_kv),
         head_dim=int(head_dim), norm_eps=float(eps), qkv_bias=model_type == "qwen2",
-        dtype=dtype)
+        qk_norm=model_type in ("qwen3", "gemma3_text"), post_norms=model_type in GEMMA,
+        mlp_act="gelu_tanh" if model_type in GEMMA else "silu", dtype=dtype)
 
 
 # The kernels a patched model launches (fusetune.patch), and their dims in it.
@@ -128,15 +144,21 @@ def patched_dims(model: ModelPreset) -> dict[str, list[dict[str, int]]]:
     """Each kernel's dims in a model run by fusetune.patch: q/k/v with Hugging Face's
     rotate_half pairing (interleaved 0), the feed-forward, the two output projections with the
     residual add (o_proj: heads·head_dim -> dim; down_proj: hidden -> dim), and the norms
-    (the final one, and the first pass of qkv and ffn where a config has one)."""
+    (the final one, and the first pass of qkv and ffn where a config has one). Gemma's
+    projections add no residual (their outputs are normalized first)."""
+    residual = 0 if model.post_norms else 1
     return {
         "qkv": [{"dim": model.dim, "head_dim": model.head_dim, "interleaved": 0,
-                 "n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}],
-        "ffn": [{"dim": model.dim, "hidden": model.hidden}],
+                 "n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads,
+                 **({"qk_norm": 1} if model.qk_norm else {})}],
+        "ffn": [{"dim": model.dim, "hidden": model.hidden,
+                 **({"act": 1} if model.mlp_act == "gelu_tanh" else {})}],
         "linear": [{"dim": model.n_heads * model.head_dim, "out": model.dim, "bias": 0,
-                    "residual": 1},
-                   {"dim": model.hidden, "out": model.dim, "bias": 0, "residual": 1}],
-        "rmsnorm": [{"dim": model.dim}],
+                    "residual": residual},
+                   {"dim": model.hidden, "out": model.dim, "bias": 0, "residual": residual}],
+        # Gemma: the attention's and the MLP's outputs normalized before their residual adds
+        "rmsnorm": [{"dim": model.dim}, *([{"dim": model.dim, "residual": 1}]
+                                          if model.post_norms else [])],
     }
 
 
@@ -178,7 +200,8 @@ def launched_dims(model: ModelPreset, training: bool = False
     if training:
         return trained_dims(model)
     dims = patched_dims(model)
-    return {k: list(zip(PATCH_USES[k], dims[k], strict=True)) for k in PATCH_KERNELS}
+    uses = {**PATCH_USES, "rmsnorm": ("norm", "post_norm")[:len(dims["rmsnorm"])]}
+    return {k: list(zip(uses[k], dims[k], strict=True)) for k in PATCH_KERNELS}
 
 
 def model_rows(decode_batches: Sequence[int], prefill_tokens: Sequence[int]

@@ -149,11 +149,25 @@ def _rmsnorm_backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor
 _rmsnorm_op.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup_context)
 
 
-def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """fusetune.rmsnorm(x, weight, eps=eps), traceable by torch.compile; differentiable."""
+@torch.library.custom_op("fusetune::rmsnorm_add", mutates_args=())
+def _rmsnorm_add_op(x: Tensor, weight: Tensor, residual: Tensor, eps: float, config: str = ""
+                    ) -> Tensor:
+    return _rmsnorm.rmsnorm(x, weight, eps=eps, residual=residual, config=_config(config))
+
+
+@_rmsnorm_add_op.register_fake
+def _(x: Tensor, weight: Tensor, residual: Tensor, eps: float, config: str = "") -> Tensor:
+    return torch.empty_like(x)
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+    """fusetune.rmsnorm(x, weight, eps=eps[, residual=...]), traceable by torch.compile;
+    differentiable without a residual (with one: an inference op)."""
     if torch.compiler.is_compiling():
-        return _rmsnorm_op(x, weight, eps)
-    return _rmsnorm.rmsnorm(x, weight, eps=eps)
+        if residual is None:
+            return _rmsnorm_op(x, weight, eps)
+        return _rmsnorm_add_op(x, weight, residual, eps)
+    return _rmsnorm.rmsnorm(x, weight, eps=eps, residual=residual)
 
 
 # ---- rope -----------------------------------------------------------------------------------
@@ -260,9 +274,11 @@ def _qkv_op(x: Tensor, rms_weight: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, c
             sin: Tensor, eps: float, head_dim: int, bq: Tensor | None, bk: Tensor | None,
             bv: Tensor | None, wq_scale: Tensor | None, wk_scale: Tensor | None,
             wv_scale: Tensor | None, fp8_activations: bool, interleaved: bool = False,
-            config: str = "") -> tuple[Tensor, Tensor, Tensor]:
+            config: str = "", q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+            qk_eps: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     return _qkv_eager(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, bq, bk, bv, wq_scale,
-                      wk_scale, wv_scale, fp8_activations, interleaved, _config(config))
+                      wk_scale, wv_scale, fp8_activations, interleaved, _config(config),
+                      q_norm, k_norm, qk_eps)
 
 
 @_qkv_op.register_fake
@@ -270,7 +286,8 @@ def _(x: Tensor, rms_weight: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, cos: Te
       sin: Tensor, eps: float, head_dim: int, bq: Tensor | None, bk: Tensor | None,
       bv: Tensor | None, wq_scale: Tensor | None, wk_scale: Tensor | None,
       wv_scale: Tensor | None, fp8_activations: bool, interleaved: bool = False,
-      config: str = "") -> tuple[Tensor, Tensor, Tensor]:
+      config: str = "", q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+      qk_eps: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     b, s = x.shape[0], x.shape[1]
     return (x.new_empty(b, s, wq.shape[0]), x.new_empty(b, s, wk.shape[0]),
             x.new_empty(b, s, wv.shape[0]))
@@ -280,11 +297,13 @@ def _qkv_eager(x: Tensor, rms_weight: Tensor, wq: Tensor, wk: Tensor, wv: Tensor
                sin: Tensor, eps: float, head_dim: int, bq: Tensor | None, bk: Tensor | None,
                bv: Tensor | None, wq_scale: Tensor | None, wk_scale: Tensor | None,
                wv_scale: Tensor | None, fp8_activations: bool, interleaved: bool = False,
-               config: Mapping[str, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+               config: Mapping[str, int] | None = None, q_norm: Tensor | None = None,
+               k_norm: Tensor | None = None, qk_eps: float | None = None
+               ) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v = _qkv.qkv(x, rms_weight, wq, wk, wv, cos, sin, eps=eps, head_dim=head_dim,
                        interleaved=interleaved, bq=bq, bk=bk, bv=bv, wq_scale=wq_scale,
-                       wk_scale=wk_scale, wv_scale=wv_scale, fp8_activations=fp8_activations,
-                       config=config)
+                       wk_scale=wk_scale, wv_scale=wv_scale, q_norm=q_norm, k_norm=k_norm,
+                       qk_eps=qk_eps, fp8_activations=fp8_activations, config=config)
     b, s = x.shape[0], x.shape[1]
     return q.view(b, s, -1), k.view(b, s, -1), v.view(b, s, -1)
 
@@ -293,14 +312,15 @@ def qkv(x: Tensor, rms_weight: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, cos: 
         sin: Tensor, eps: float, head_dim: int, *, bq: Tensor | None = None,
         bk: Tensor | None = None, bv: Tensor | None = None, wq_scale: Tensor | None = None,
         wk_scale: Tensor | None = None, wv_scale: Tensor | None = None,
+        q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float | None = None,
         fp8_activations: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """fusetune.qkv with Hugging Face's pairing (interleaved=False) and its cos/sin tables
     [batch or 1, seq, head_dim]; q, k, v as [batch, seq, heads·head_dim], contiguous."""
     if torch.compiler.is_compiling():
         return _qkv_op(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, bq, bk, bv, wq_scale,
-                       wk_scale, wv_scale, fp8_activations)
+                       wk_scale, wv_scale, fp8_activations, False, "", q_norm, k_norm, qk_eps)
     return _qkv_eager(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, bq, bk, bv, wq_scale,
-                      wk_scale, wv_scale, fp8_activations)
+                      wk_scale, wv_scale, fp8_activations, False, None, q_norm, k_norm, qk_eps)
 
 
 # ---- ffn ------------------------------------------------------------------------------------
@@ -309,26 +329,28 @@ def qkv(x: Tensor, rms_weight: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, cos: 
 @torch.library.custom_op("fusetune::ffn", mutates_args=())
 def _ffn_op(x: Tensor, rms_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float,
             gate_scale: Tensor | None, up_scale: Tensor | None, fp8_activations: bool,
-            config: str = "") -> Tensor:
+            config: str = "", activation: str = "silu") -> Tensor:
     return _ffn.ffn(x, rms_weight, w_gate, w_up, eps=eps, w1_scale=gate_scale,
-                    w3_scale=up_scale, fp8_activations=fp8_activations, config=_config(config))
+                    w3_scale=up_scale, activation=activation, fp8_activations=fp8_activations,
+                    config=_config(config))
 
 
 @_ffn_op.register_fake
 def _(x: Tensor, rms_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float,
       gate_scale: Tensor | None, up_scale: Tensor | None, fp8_activations: bool,
-      config: str = "") -> Tensor:
+      config: str = "", activation: str = "silu") -> Tensor:
     return x.new_empty(*x.shape[:-1], w_gate.shape[0])
 
 
 def ffn(x: Tensor, rms_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float, *,
         gate_scale: Tensor | None = None, up_scale: Tensor | None = None,
-        fp8_activations: bool = False) -> Tensor:
-    """fusetune.ffn: silu(n·W_gateᵀ) · (n·W_upᵀ), n = rmsnorm(x)."""
+        activation: str = "silu", fp8_activations: bool = False) -> Tensor:
+    """fusetune.ffn: act(n·W_gateᵀ) · (n·W_upᵀ), n = rmsnorm(x), act silu or gelu_tanh."""
     if torch.compiler.is_compiling():
-        return _ffn_op(x, rms_weight, w_gate, w_up, eps, gate_scale, up_scale, fp8_activations)
+        return _ffn_op(x, rms_weight, w_gate, w_up, eps, gate_scale, up_scale, fp8_activations,
+                       "", activation)
     return _ffn.ffn(x, rms_weight, w_gate, w_up, eps=eps, w1_scale=gate_scale,
-                    w3_scale=up_scale, fp8_activations=fp8_activations)
+                    w3_scale=up_scale, activation=activation, fp8_activations=fp8_activations)
 
 
 # ---- linear ---------------------------------------------------------------------------------
@@ -375,4 +397,4 @@ def _(x: Tensor, weight: Tensor, bias: Tensor, eps: float, weight_scale: Tensor 
 
 # Every op this module registers: what `lower_as_fallbacks` hands to Inductor.
 OPS = (_rmsnorm_op, _rmsnorm_bwd_op, _rope_op, _rope_bwd_op, _swiglu_op, _swiglu_bwd_op,
-       _qkv_op, _ffn_op, _linear_op, _lola_op)
+       _qkv_op, _ffn_op, _linear_op, _lola_op, _rmsnorm_add_op)

@@ -169,9 +169,10 @@ def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str
         raise TableError(f"{where}: unknown field {', '.join(unknown)}; valid: "
                          f"{', '.join(ENTRY_FIELDS)}")
     dims = raw["dims"]
-    if not isinstance(dims, Mapping) or sorted(dims) != sorted(spec.dim_names):
-        raise TableError(f"{where}: dims must be a mapping of {', '.join(spec.dim_names)}, "
-                         f"got {dims!r}")
+    if not isinstance(dims, Mapping) or not spec.dims_named(dims):
+        optional = "".join(f", optionally {k}" for k in spec.optional_dims)
+        raise TableError(f"{where}: dims must be a mapping of {', '.join(spec.dim_names)}"
+                         f"{optional}, got {dims!r}")
     for k, v in dims.items():
         if not _is_int(v) or v < 0:
             raise TableError(f"{where}: dims.{k}={v!r} must be a non-negative integer")
@@ -213,8 +214,8 @@ def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str
         config = spec.validate_config(raw["config"], where=f"{where}: config")
     except ConfigError as e:
         raise TableError(str(e)) from None
-    key: GroupKey = (gpu, spec.name, tuple(sorted(dims.items())), raw["dtype"], weights,
-                     activations)
+    key: GroupKey = (gpu, spec.name, tuple(sorted(spec.short_dims(dims).items())), raw["dtype"],
+                     weights, activations)
     info = EntryInfo(raw.get("time_us"), raw.get("default_us"), marginal, versions["source"],
                      versions["triton"])
     return key, raw["batch"] * raw["seq"], config, info
@@ -622,8 +623,8 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
     for tables in _tables_in_order():
         for key, entries in tables.groups.items():
             if key[:2] != (gpu_name, kernel) or key[3:] != (dtype, weights, activations) \
-                    or key[2] == dims:
-                continue
+                    or key[2] == dims or {n for n, _ in key[2]} != mine.keys():
+                continue  # (dims of other names: an optional dim off its default on one side)
             if same:
                 theirs = dict(key[2])
                 if any(theirs[name] != mine[name] for name in same):
@@ -793,13 +794,14 @@ def _check_dims(spec: KernelSpec, dims: Mapping[str, int]) -> None:
     """ValueError naming the dims that are missing or unknown to spec's kernel, or not a
     non-negative integer (the launchers pass their tensors' shapes and need no check)."""
     names = spec.dim_names
-    if dims.keys() != set(names):
+    if not spec.dims_named(dims):
         missing = [k for k in names if k not in dims]
-        unknown = [str(k) for k in dims if k not in names]
+        unknown = [str(k) for k in dims if k not in spec.all_dim_names]
         parts = [f"{what} dim{'s' if len(ks) > 1 else ''} {', '.join(ks)}"
                  for what, ks in (("missing", missing), ("unknown", unknown)) if ks]
+        optional = "".join(f", optionally {k}" for k in spec.optional_dims)
         raise ValueError(f"{spec.name}: {', '.join(parts)}; {spec.name}'s dims are "
-                         f"{', '.join(names)}")
+                         f"{', '.join(names)}{optional}")
     for k, v in dims.items():
         if not _is_int(v) or v < 0:
             raise ValueError(f"{spec.name}: dims.{k}={v!r} must be a non-negative integer")
@@ -814,7 +816,8 @@ def _query(spec: KernelSpec, dims: Mapping[str, int], dtype: str, rows: int, wei
     if dtype not in spec.dtypes:
         raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(spec.dtypes)}")
     _check_dims(spec, dims)
-    return tuple(sorted(dims.items())), spec.point_activations(activations, weights)
+    return (tuple(sorted(spec.short_dims(dims).items())),
+            spec.point_activations(activations, weights))
 
 
 def resolve(spec: KernelSpec, dims: Mapping[str, int], dtype: str, *, rows: int,

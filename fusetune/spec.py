@@ -12,7 +12,7 @@ import inspect
 import math
 import os
 import re
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -203,6 +203,9 @@ class KernelSpec:
     - `algorithm_keys`: flags of config_keys that choose another way to compute the result
       rather than tune one (the matmul kernels' UNFUSED): every search tries each of them,
       from the default config, right after the default.
+    - `optional_dims`: dims beside dim_names with a default (qkv's qk_norm: 0), which points,
+      tables and lookups leave out at that value (`short_dims`): tables from before the kernel
+      gained the argument keep their keys.
 
     What a kernel declared with `fusetune.autotune` (or any kernel outside fusetune) sets
     besides, where the built-ins keep the defaults:
@@ -259,6 +262,27 @@ class KernelSpec:
     signature: Callable[[Point], str] | None = None
     other_triton: str = "ignore"
     algorithm_keys: tuple[str, ...] = ()
+    optional_dims: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def all_dim_names(self) -> tuple[str, ...]:
+        return (*self.dim_names, *self.optional_dims)
+
+    def dims_named(self, names: Iterable[str]) -> bool:
+        """Whether `names` are a valid set of this kernel's dims: every one of dim_names, and
+        of optional_dims those given."""
+        names = set(names)
+        return set(self.dim_names) <= names <= set(self.all_dim_names)
+
+    def short_dims(self, dims: Mapping[str, int]) -> dict[str, int]:
+        """`dims` as points, tables and lookups key them: an optional dim at its default left
+        out (so that a kernel which gained an argument keeps its older tables' keys)."""
+        return {k: v for k, v in dims.items()
+                if k not in self.optional_dims or v != self.optional_dims[k]}
+
+    def dim_value(self, point: Point, name: str) -> int:
+        """A dim of `point`, an optional one at its default where the point leaves it out."""
+        return point.dim.get(name, self.optional_dims.get(name, 0))
 
     @property
     def search_ref(self) -> str:

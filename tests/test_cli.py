@@ -564,7 +564,7 @@ def test_search_show_export_lookup(db_url: str, tmp_path: Path, fresh_tables: No
     w = (1 + 0.1 * torch.randn(64)).half()
     with warnings.catch_warnings():
         warnings.simplefilter("error", fusetune.FusetuneWarning)
-        mod._launch_2d = lambda *a: (launched.append(dict(a[-1])), real(*a))  # type: ignore
+        mod._launch_2d = lambda *a: (launched.append(dict(a[4])), real(*a))  # type: ignore
         try:
             y = fusetune.rmsnorm(x, w, eps=1e-6)
         finally:

@@ -29,9 +29,11 @@ from fusetune.kernels.fp8 import quantize_fp8, quantize_rows  # noqa: E402
 # --- the ops' contract in plain torch ----------------------------------------------------------
 
 
-def ref_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def ref_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y if residual is None else y + residual.float()).to(x.dtype)
 
 
 def _matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
@@ -53,17 +55,25 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) 
 
 
 def ref_qkv(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, bq=None, bk=None, bv=None,
-            wq_scale=None, wk_scale=None, wv_scale=None, fp8_activations=False):
+            wq_scale=None, wk_scale=None, wv_scale=None, q_norm=None, k_norm=None, qk_eps=None,
+            fp8_activations=False):
     n = ref_rmsnorm(x.float(), rms_weight, eps)
     q, k, v = (_matmul(n, w, s, fp8_activations) + (0 if b is None else b.float())
                for w, b, s in ((wq, bq, wq_scale), (wk, bk, wk_scale), (wv, bv, wv_scale)))
+    if q_norm is not None:  # Qwen3: each head normalized before RoPE
+        q = ref_rmsnorm(q.unflatten(-1, (-1, head_dim)), q_norm, qk_eps).flatten(-2)
+        k = ref_rmsnorm(k.unflatten(-1, (-1, head_dim)), k_norm, qk_eps).flatten(-2)
     return (_rope(q, cos, sin, head_dim).to(x.dtype), _rope(k, cos, sin, head_dim).to(x.dtype),
             v.to(x.dtype))
 
 
 def ref_ffn(x, rms_weight, w_gate, w_up, eps, gate_scale=None, up_scale=None,
-            fp8_activations=False):
+            activation="silu", fp8_activations=False):
     n = ref_rmsnorm(x.float(), rms_weight, eps)
+    if activation == "gelu_tanh":
+        return (torch.nn.functional.gelu(_matmul(n, w_gate, gate_scale, fp8_activations),
+                                         approximate="tanh")
+                * _matmul(n, w_up, up_scale, fp8_activations)).to(x.dtype)
     return (torch.nn.functional.silu(_matmul(n, w_gate, gate_scale, fp8_activations))
             * _matmul(n, w_up, up_scale, fp8_activations)).to(x.dtype)
 
@@ -118,6 +128,25 @@ CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),  # q/k/v with bias
     # YaRN scales cos and sin (attention_scaling != 1), which the fused qkv takes as they are
     "qwen2-yarn": lambda: transformers.Qwen2Config(**SMALL, rope_parameters=YARN_ROPE),
+    # per-head q and k norms before RoPE; sliding windows on some layers (as Qwen2's)
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16),
+    # (1 + w) norms in float32, post-norms before the residual adds, GeGLU, soft-capped
+    # attention logits, sliding and global layers, query_pre_attn_scalar
+    "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, sliding_window=6,
+                                                query_pre_attn_scalar=12,
+                                                attn_logit_softcapping=5.0,
+                                                final_logit_softcapping=30.0),
+    # + q/k norms ((1 + w) too), a rotary embedding per layer type: linear-scaled on the
+    # global layer, plain on the sliding one
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **SMALL, head_dim=16, sliding_window=6, query_pre_attn_scalar=12,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1000000.0}}),
+    "qwen3-window": lambda: transformers.Qwen3Config(**SMALL, head_dim=16,
+                                                     use_sliding_window=True, sliding_window=6,
+                                                     max_window_layers=1),
     # one qkv_proj and one gate_up_proj, taken as views; a sliding window as Mistral's
     "phi3": lambda: transformers.Phi3Config(**SMALL, sliding_window=6),
     # LongRoPE: per-frequency factors and attention scaling, past the original context
@@ -198,7 +227,9 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
     ref_ops.update(dict.fromkeys(ref_ops, 0))  # the patch's self-check calls them too
     got = logits(model, ids, mask)
     n_layers = model.config.num_hidden_layers
-    assert ref_ops == {"qkv": n_layers, "ffn": n_layers, "linear": 2 * n_layers, "rmsnorm": 1}
+    norms = 1 + (2 * n_layers if kind.startswith("gemma") else 0)  # + Gemma's post-norms
+    assert ref_ops == {"qkv": n_layers, "ffn": n_layers, "linear": 2 * n_layers,
+                       "rmsnorm": norms}
     assert rel_err(got, want_logits) <= 1e-5
     assert torch.equal(greedy(model, ids, mask), want_tokens)
     # gate and up: the halves of one matrix (the unfused ffn's one GEMM), q, k, v (and their
@@ -224,7 +255,8 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
     assert torch.equal(logits(model, ids, mask), want_logits)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
+                                  "phi3"])
 def test_static_cache_generate(kind: str, ref_ops: dict[str, int]) -> None:
     model = tiny(kind)
     ids, mask = prompts()
@@ -233,7 +265,8 @@ def test_static_cache_generate(kind: str, ref_ops: dict[str, int]) -> None:
     assert torch.equal(greedy(model, ids, mask, cache_implementation="static"), want)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
+                                  "phi3"])
 def test_cached_decode_step_matches_a_full_forward(kind: str, ref_ops: dict[str, int]) -> None:
     """The next token's logits from the KV cache of the prompt equal those of one forward over
     the prompt and that token: the cache is filled and read (a forward that misses the cache's
@@ -282,6 +315,7 @@ def test_output_attentions_still_reported(ref_ops: dict[str, int]) -> None:
 
 
 @pytest.mark.parametrize(("kind", "fmt"), [("qwen2", "e4m3"), ("qwen2", "e5m2"),
+                                           ("qwen3", "e4m3"), ("gemma2", "e4m3"),
                                            ("phi3", "e4m3")])
 def test_fp8_weights(kind: str, fmt: str, ref_ops: dict[str, int],
                      capsys: pytest.CaptureFixture) -> None:
@@ -312,7 +346,8 @@ def test_fp8_weights(kind: str, fmt: str, ref_ops: dict[str, int],
         # biases stacked as 16-bit ones
         lins = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")]
         for attr in ("weight", "weight_scale", "bias"):
-            assert _unfused.stacked(*(getattr(lin, attr) for lin in lins)) is not None
+            if getattr(lins[0], attr) is not None:
+                assert _unfused.stacked(*(getattr(lin, attr) for lin in lins)) is not None
         lins = [layer.mlp.gate_proj, layer.mlp.up_proj]
         for attr in ("weight", "weight_scale"):
             assert _unfused.stacked(*(getattr(lin, attr) for lin in lins)) is not None
@@ -427,7 +462,7 @@ def test_bad_weights_value(ref_ops: dict[str, int]) -> None:
     assert_untouched(model, before)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3", "phi3-dropout"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3", "phi3-dropout"])
 def test_training_gradients_match_the_model(kind: str, ref_ops: dict[str, int]) -> None:
     """With gradients recorded the patched layers run ops with backward passes (the real
     kernels through the interpreter; never the fused inference ops) and every parameter's
@@ -452,6 +487,16 @@ def test_training_gradients_match_the_model(kind: str, ref_ops: dict[str, int]) 
     for name, g in want.items():
         assert got[name] is not None, name
         assert rel_err(got[name], g) <= 1e-4, name
+
+
+def test_gemma_gradients_refused(ref_ops: dict[str, int]) -> None:
+    # No backward kernel for the GeGLU gate: a patched Gemma refuses gradients with a message
+    # (and runs under no_grad as ever).
+    model = fusetune.patch(tiny("gemma2"))
+    ids, mask = prompts()
+    with pytest.raises(RuntimeError, match=r"\(gemma2\) has no backward pass"):
+        model(input_ids=ids, attention_mask=mask, labels=ids)
+    logits(model, ids, mask)
 
 
 def test_fp8_gradients_refused(ref_ops: dict[str, int]) -> None:

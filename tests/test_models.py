@@ -58,6 +58,46 @@ def test_config_json_gives_the_presets_dims(tmp_path: Path) -> None:
     assert patched_dims(qwen) == patched_dims(load_model("qwen2.5-7b"))
 
 
+def test_qwen3_config_and_preset(tmp_path: Path) -> None:
+    # Qwen3-8B's config.json: a head_dim field; per-head q/k norms, so qkv's points carry
+    # qk_norm (the dims of models without it leave it out: older tables keep their keys)
+    qwen3 = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+             "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
+    m = load_model(str(write(tmp_path, qwen3)))
+    assert m.qk_norm and not m.qkv_bias
+    assert patched_dims(m) == patched_dims(load_model("qwen3-8b"))
+    assert patched_dims(m)["qkv"] == [{"dim": 4096, "head_dim": 128, "interleaved": 0,
+                                       "n_heads": 32, "n_kv_heads": 8, "qk_norm": 1}]
+    assert "qk_norm" not in patched_dims(load_model("llama-3-8b"))["qkv"][0]
+
+
+def test_gemma2_config_and_preset(tmp_path: Path) -> None:
+    # Gemma-2-9B: head_dim 256 beside 16 heads of a 3584 width, a GeGLU gate (ffn's act 1),
+    # o_proj and down_proj without the residual add (their outputs are normalized first)
+    gemma = {"model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+             "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+             "torch_dtype": "bfloat16"}
+    m = load_model(str(write(tmp_path, gemma)))
+    dims = patched_dims(m)
+    assert dims == patched_dims(load_model("gemma-2-9b"))
+    assert dims["ffn"] == [{"dim": 3584, "hidden": 14336, "act": 1}]
+    assert dims["linear"] == [{"dim": 4096, "out": 3584, "bias": 0, "residual": 0},
+                              {"dim": 14336, "out": 3584, "bias": 0, "residual": 0}]
+
+
+def test_gemma3_multimodal_config_reads_its_language_model(tmp_path: Path) -> None:
+    text = {"hidden_size": 3840, "intermediate_size": 15360, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "head_dim": 256, "rms_norm_eps": 1e-6,
+            "hidden_activation": "gelu_pytorch_tanh", "model_type": "gemma3_text"}
+    full = {"model_type": "gemma3", "torch_dtype": "bfloat16", "text_config": text,
+            "vision_config": {"model_type": "siglip_vision_model"}}
+    m = load_model(str(write(tmp_path, full)))
+    assert patched_dims(m) == patched_dims(load_model("gemma-3-12b"))
+    assert patched_dims(m)["qkv"][0]["qk_norm"] == 1 and m.dtype == "bfloat16"
+
+
 def test_phi3_config_and_preset(tmp_path: Path) -> None:
     # Phi-3-mini's config.json (microsoft/Phi-3-mini-4k-instruct): no head_dim field, 32 key /
     # value heads (no GQA), one qkv_proj and one gate_up_proj, whose row blocks are the points

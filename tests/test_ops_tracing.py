@@ -330,7 +330,8 @@ def test_lower_as_fallbacks_covers_every_op() -> None:
     from torch._inductor import lowering
 
     names = {op._qualname for op in ops.OPS}
-    assert names == {f"fusetune::{n}" for n in (*LAUNCHERS, "rope_bwd", "swiglu_bwd")}
+    assert names == {f"fusetune::{n}" for n in (*LAUNCHERS, "rope_bwd", "swiglu_bwd",
+                                                 "rmsnorm_add")}
     ops.lower_as_fallbacks()
     assert all(op._opoverload in lowering.lowerings for op in ops.OPS)
 

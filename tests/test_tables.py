@@ -484,8 +484,8 @@ def test_rmsnorm_launches_with_table_config(tmp_path: Path, monkeypatch: pytest.
     fusetune.load_tables(write(tmp_path / "t.yaml", doc({"interpreter": [entry(4, 1, CFG_I)]})))
     seen: list[dict[str, int]] = []
     real = mod._launch_2d
-    monkeypatch.setattr(mod, "_launch_2d", lambda x, w, y, eps, c: (seen.append(dict(c)),
-                                                                    real(x, w, y, eps, c)))
+    monkeypatch.setattr(mod, "_launch_2d", lambda x, w, y, eps, c, r=None: (
+        seen.append(dict(c)), real(x, w, y, eps, c, r)))
     x = torch.randn(2, 2, 64, dtype=torch.float16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", fusetune.FusetuneWarning)

@@ -5,12 +5,13 @@
     model = fusetune.patch(model, weights="fp8-e4m3", activations="fp8")  # FP8 products too
     fusetune.unpatch(model)                             # the model's own forwards again
 
-What is swapped, per family (Llama, Mistral, Qwen2, Phi-3): the `forward` of module *instances*
-(never of the classes, so other models of the same family in the process stay as they are),
-bound with `types.MethodType`; no module and no parameter is replaced (unless weights are FP8):
+What is swapped, per family (Llama, Mistral, Qwen2, Qwen3, Phi-3): the `forward` of module
+*instances* (never of the classes, so other models of the same family in the process stay as
+they are), bound with `types.MethodType`; no module and no parameter is replaced (unless
+weights are FP8):
 
-- each attention module: input_layernorm + q/k/v (+ the Qwen2 biases; Phi-3's one qkv_proj as
-  views of its row blocks) + RoPE -> `ops.qkv`, with
+- each attention module: input_layernorm + q/k/v (+ the Qwen2 biases; Qwen3's per-head q_norm
+  and k_norm; Phi-3's one qkv_proj as views of its row blocks) + RoPE -> `ops.qkv`, with
   the cos/sin the model's rotary embedding computed (so every rope_scaling type comes out as the
   model computes it); then the model's own KV cache update and attention function, chosen as the
   module chooses it; o_proj + the residual add that follows it -> `ops.linear`. It therefore
@@ -62,6 +63,8 @@ _STATE = "_fusetune_patch"  # attribute of the patched base model (LlamaModel, .
 # `hf` extra of pyproject.toml allows the same range
 TESTED_TRANSFORMERS = ">=5.17,<5.25"
 ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
+GELU_TANH = ("gelu_pytorch_tanh",)  # Gemma's GeGLU gate: ACT2FN's gelu, tanh form
+_PLUS_ONE = "_fusetune_plus_one"  # a Gemma norm's (1 + weight) in float32, kept on the norm
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,14 @@ class Family:
     # whose row blocks the fused ops take as views; dropout on each block's output before its
     # residual add (resid_attn_dropout, resid_mlp_dropout on the decoder layer)
     fused: bool = False
+    # Qwen3: an RMSNorm of each q head and each k head (q_norm, k_norm) before RoPE
+    qk_norm: bool = False
+    # Gemma 2: norms that apply (1 + weight) in float32 (eps as `eps`); the attention's and the
+    # MLP's outputs normalized again (post_attention_layernorm, post_feedforward_layernorm)
+    # before their residual adds, the MLP's input by pre_feedforward_layernorm; the GeGLU gate
+    # (hidden_activation); the attention's logit soft-capping passed on as the model does
+    gemma: bool = False
+    base: str = "Model"  # the base model's class: <prefix><base> (Gemma 3's text model)
 
     @property
     def attn_projections(self) -> tuple[str, ...]:
@@ -106,7 +117,7 @@ class Family:
 
     @property
     def classes(self) -> str:
-        return f"{self.prefix}ForCausalLM, {self.prefix}Model"
+        return f"{self.prefix}ForCausalLM, {self.prefix}{self.base}"
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -117,6 +128,15 @@ FAMILIES: tuple[Family, ...] = (
     # Qwen2.5's long-context configs add YaRN scaling
     Family("qwen2", "Qwen2", qkv_bias=True, rope_types=("default", "yarn"),
            sliding_window=lambda attn: attn.sliding_window),
+    Family("gemma2", "Gemma2", qkv_bias=False, rope_types=("default",),
+           sliding_window=lambda attn: attn.sliding_window, gemma=True),
+    # Gemma 3 (text): Gemma 2's layer with Qwen3's q/k norms, (1 + w) like its other norms, and
+    # a rotary embedding per layer type (linear scaling on the global layers)
+    Family("gemma3", "Gemma3", qkv_bias=False, rope_types=("default", "linear"),
+           sliding_window=lambda attn: attn.sliding_window, qk_norm=True, gemma=True,
+           base="TextModel"),
+    Family("qwen3", "Qwen3", qkv_bias=False, rope_types=("default", "yarn"),
+           sliding_window=lambda attn: attn.sliding_window, qk_norm=True),
     # Phi-3 and 3.5 mini / medium; the 128K-context configs scale by LongRoPE
     Family("phi3", "Phi3", qkv_bias=False, rope_types=("default", "longrope"),
            sliding_window=lambda attn: getattr(attn.config, "sliding_window", None), fused=True),
@@ -170,8 +190,8 @@ class PatchState:
 
 def patch(model: nn.Module, *, weights: str | None = None, activations: str | None = None,
           verify: bool = True) -> nn.Module:
-    """Runs the transformers causal LM `model` (Llama, Mistral, Qwen2, Phi-3 families; also their
-    base models, e.g. LlamaModel) through fusetune's fused ops, in place; returns `model`.
+    """Runs the transformers causal LM `model` (Llama, Mistral, Qwen2, Qwen3, Phi-3 families; also
+    their base models, e.g. LlamaModel) through fusetune's fused ops, in place; returns `model`.
 
     weights: None keeps the model's weights; "fp8-e4m3" or "fp8-e5m2" quantizes every
     projection (q, k, v, o, gate, up, down) once, with one float32 scale per output channel
@@ -271,6 +291,8 @@ def unpatch(model: nn.Module) -> nn.Module:
                            "first (unpatch would drop it)")
     for module, _ in state.forwards:
         del module.forward
+    for m in base.modules():
+        m.__dict__.pop(_PLUS_ONE, None)
     if state.stacked:
         _unstack_projections(base, _family_named(state.family))
     delattr(base, _STATE)
@@ -315,7 +337,7 @@ def _recognise(model: nn.Module, who: str) -> tuple[Family, nn.Module]:
     for family in FAMILIES:
         if isinstance(model, family.cls("ForCausalLM")):
             return family, model.model
-        if isinstance(model, family.cls("Model")):
+        if isinstance(model, family.cls(family.base)):
             return family, model
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -329,15 +351,14 @@ def _check(family: Family, base: nn.Module) -> None:
     ValueError naming what differs. Changes nothing."""
     config = base.config
     where = f"fusetune.patch ({family.name})"
-    act = getattr(config, "hidden_act", None)
-    if act not in ACTIVATIONS:
-        raise ValueError(f"{where}: hidden_act={act!r}; the fused ffn computes silu(gate)·up, "
-                         f"so hidden_act must be one of {ACTIVATIONS}")
+    _gate_activation(family, config, where)
     rotary = base.rotary_emb
     rope_type = getattr(rotary, "rope_type", None)
-    if rope_type not in family.rope_types:
-        raise ValueError(f"{where}: rope type {rope_type!r} is not one {family.name} models use; "
-                         f"supported: {', '.join(family.rope_types)}")
+    # (Gemma 3: one rotary embedding per layer type, local and global)
+    for kind in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:
+        if kind not in family.rope_types:
+            raise ValueError(f"{where}: rope type {kind!r} is not one {family.name} models use; "
+                             f"supported: {', '.join(family.rope_types)}")
     layer_cls = family.cls("DecoderLayer")
     layers = list(base.layers)
     if not layers:
@@ -379,7 +400,8 @@ def _check_layer(family: Family, layer: nn.Module, at: str, rotary: nn.Module) -
         if lin.out_features != out or lin.in_features != config.hidden_size:
             raise ValueError(f"{at}: {name} is {lin.out_features}×{lin.in_features}, expected "
                              f"{out}×{config.hidden_size} (intermediate_size {hidden})")
-    rotary_dim = 2 * rotary.inv_freq.numel()
+    inv_freq = getattr(rotary, f"{getattr(attn, 'layer_type', None)}_inv_freq", None)
+    rotary_dim = 2 * (rotary.inv_freq if inv_freq is None else inv_freq).numel()
     if rotary_dim != head_dim:
         raise ValueError(f"{at}: the rotary embedding covers {rotary_dim} of head_dim {head_dim}; "
                          "the fused qkv rotates the whole head (partial_rotary_factor 1)")
@@ -396,12 +418,63 @@ def _check_layer(family: Family, layer: nn.Module, at: str, rotary: nn.Module) -
     if biased:
         raise ValueError(f"{at}: {', '.join(biased)} with bias (attention_bias / mlp_bias); "
                          "supported: o_proj and the MLP projections without bias")
-    _check_norm(layer.input_layernorm, f"{at}: input_layernorm")
-    _check_norm(layer.post_attention_layernorm, f"{at}: post_attention_layernorm")
+    if family.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(attn, name, None)
+            w = getattr(norm, "weight", None)
+            if not isinstance(w, torch.Tensor) or w.shape != (head_dim,):
+                raise ValueError(f"{at}: {name} must be an RMSNorm of head_dim {head_dim} "
+                                 f"(weight {None if w is None else tuple(w.shape)})")
+            _check_norm(norm, f"{at}: {name}")
+        if _eps(attn.q_norm) != _eps(attn.k_norm):
+            raise ValueError(f"{at}: q_norm's eps {_eps(attn.q_norm)} and k_norm's "
+                             f"{_eps(attn.k_norm)} differ; the fused qkv takes one")
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if family.gemma:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for name in norms:
+        _check_norm(getattr(layer, name), f"{at}: {name}")
+
+
+def _gate_activation(family: Family, config: Any, where: str) -> str:
+    """The MLP gate's activation as fusetune.ffn takes it; ValueError for one it does not."""
+    if family.gemma:
+        act = getattr(config, "hidden_activation", None)
+        if act not in GELU_TANH:
+            raise ValueError(f"{where}: hidden_activation={act!r}; the fused ffn computes "
+                             f"gelu(gate)·up in its tanh form: one of {GELU_TANH}")
+        return "gelu_tanh"
+    act = getattr(config, "hidden_act", None)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{where}: hidden_act={act!r}; the fused ffn computes silu(gate)·up, "
+                         f"so hidden_act must be one of {ACTIVATIONS}")
+    return "silu"
+
+
+def _eps(norm: nn.Module) -> Any:
+    """A norm's epsilon: `variance_epsilon` (Llama's RMSNorm and its copies) or `eps` (Gemma's)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return getattr(norm, "eps", None) if eps is None else eps
+
+
+def _norm_weight(norm: nn.Module, family: Family) -> torch.Tensor:
+    """What the fused ops multiply a norm's rows by: its weight, or for Gemma's norms (1 +
+    weight) in float32, as they apply it (made once per version of the weight; traced as the
+    sum where torch.compile traces the forward)."""
+    w = norm.weight
+    if not family.gemma:
+        return w
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and w.requires_grad):
+        return 1.0 + w.float()
+    key = (w._version, w.data_ptr(), w.device)
+    kept = norm.__dict__.get(_PLUS_ONE)
+    if kept is None or kept[0] != key:
+        kept = norm.__dict__[_PLUS_ONE] = (key, 1.0 + w.detach().float())
+    return kept[1]
 
 
 def _check_norm(norm: nn.Module, at: str) -> None:
-    eps = getattr(norm, "variance_epsilon", None)
+    eps = _eps(norm)
     if isinstance(eps, bool) or not isinstance(eps, float | int) or not eps > 0:
         raise ValueError(f"{at}: eps {eps!r} (from the config's rms_norm_eps) must be a positive "
                          "number")
@@ -445,15 +518,18 @@ def _bind_all(state: PatchState, base: nn.Module, family: Family, api: CacheApi,
     for layer in base.layers:
         _bind(state, layer.self_attn, _attention_forward(
             layer.input_layernorm, family, eager, api, fp8, act,
-            getattr(layer, "resid_attn_dropout", None)))
+            getattr(layer, "resid_attn_dropout", None),
+            layer.post_attention_layernorm if family.gemma else None))
         _bind(state, layer, _layer_forward(family, api, fp8, act,
                                            getattr(layer, "resid_mlp_dropout", None)))
-    _bind(state, base.norm, _norm_forward)
+    _bind(state, base.norm, _norm_forward(family))
 
 
 def _unbind_all(state: PatchState) -> None:
     for module, _ in state.forwards:
         module.__dict__.pop("forward", None)
+        for m in module.modules():
+            m.__dict__.pop(_PLUS_ONE, None)
     state.forwards.clear()
 
 
@@ -617,13 +693,23 @@ def _dropping(drop: nn.Module | None) -> bool:
     return drop is not None and drop.training and drop.p > 0
 
 
+def _no_backward(family: Family, module: nn.Module) -> None:
+    if family.gemma:
+        raise RuntimeError(
+            f"fusetune: the patched {type(module).__name__} ({family.name}) has no backward "
+            "pass (its GeGLU gate has no backward kernel), and gradients are enabled with an "
+            "input or parameter that requires grad; run it under torch.no_grad() or "
+            "torch.inference_mode() (generate() does), or unpatch the model to train it")
+
+
 def _attention_forward(norm: nn.Module, family: Family, eager: Callable[..., Any],
                        api: CacheApi, fp8: bool, act: bool = False,
-                       drop: nn.Module | None = None) -> Callable[..., Any]:
+                       drop: nn.Module | None = None, post_norm: nn.Module | None = None
+                       ) -> Callable[..., Any]:
     """The attention module's forward (signature of LlamaAttention.forward; the KV cache comes
     as `cache` or `past_key_values`, see CacheApi), with the layer's input norm folded in and
     the residual add after o_proj (after the layer's dropout `drop` of the block's output,
-    where the family has one)."""
+    where the family has one, or its norm `post_norm`, Gemma's post_attention_layernorm)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     sliding_window = family.sliding_window
@@ -636,21 +722,31 @@ def _attention_forward(norm: nn.Module, family: Family, eager: Callable[..., Any
 
         cache = _take_cache(past_key_values, kwargs)
         train = _wants_grad(self, hidden_states, fp8, (norm.weight,))
+        if train:
+            _no_backward(family, self)
+        g, eps = _norm_weight(norm, family), _eps(norm)
         input_shape = hidden_states.shape[:-1]
         head_shape = (*input_shape, -1, self.head_dim)
         cos, sin = position_embeddings
         (wq, wk, wv), (sq, sk, sv), (bq, bk, bv) = _qkv_tensors(self, family, fp8)
+        qn = kn = qk_eps = None
+        if family.qk_norm:
+            qn, kn = _norm_weight(self.q_norm, family), _norm_weight(self.k_norm, family)
+            qk_eps = _eps(self.q_norm)
         if train:
             # ops with backward passes; the projections are cuBLAS matmuls
-            h = rmsnorm(hidden_states, norm.weight, eps=norm.variance_epsilon)
+            h = rmsnorm(hidden_states, g, eps=eps)
             q, k, v = (F.linear(h, w, b).view(head_shape)
                        for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+            if qn is not None:
+                q, k = rmsnorm(q, qn, eps=qk_eps), rmsnorm(k, kn, eps=qk_eps)
             q = rope(q, cos, sin, interleaved=False)
             k = rope(k, cos, sin, interleaved=False)
         else:
-            q, k, v = ops.qkv(hidden_states, norm.weight, wq, wk, wv, cos, sin,
-                              norm.variance_epsilon, self.head_dim, bq=bq, bk=bk, bv=bv,
-                              wq_scale=sq, wk_scale=sk, wv_scale=sv, fp8_activations=act)
+            q, k, v = ops.qkv(hidden_states, g, wq, wk, wv, cos, sin, eps, self.head_dim,
+                              bq=bq, bk=bk, bv=bv,
+                              wq_scale=sq, wk_scale=sk, wv_scale=sv, q_norm=qn, k_norm=kn,
+                              qk_eps=qk_eps, fp8_activations=act)
         query_states = q.view(head_shape).transpose(1, 2)
         key_states = k.view(head_shape).transpose(1, 2)
         value_states = v.view(head_shape).transpose(1, 2)
@@ -665,6 +761,8 @@ def _attention_forward(norm: nn.Module, family: Family, eager: Callable[..., Any
             self.config._attn_implementation, eager)
         if sliding_window is not None:
             kwargs = {"sliding_window": sliding_window(self), **kwargs}
+        if family.gemma:
+            kwargs = {"softcap": self.attn_logit_softcapping, **kwargs}
         attn_output, attn_weights = attention_interface(
             self, query_states, key_states, value_states, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
@@ -674,6 +772,11 @@ def _attention_forward(norm: nn.Module, family: Family, eager: Callable[..., Any
         if train:
             out = F.linear(attn_output, o_proj.weight)
             return hidden_states + (drop(out) if drop is not None else out), attn_weights
+        if post_norm is not None:
+            out = ops.linear(attn_output, o_proj.weight, weight_scale=_scale(o_proj, fp8),
+                             fp8_activations=act)
+            return ops.rmsnorm(out, _norm_weight(post_norm, family), _eps(post_norm),
+                               residual=hidden_states), attn_weights
         if _dropping(drop):
             out = ops.linear(attn_output, o_proj.weight, weight_scale=_scale(o_proj, fp8),
                              fp8_activations=act)
@@ -690,6 +793,7 @@ def _layer_forward(family: Family, api: CacheApi, fp8: bool, act: bool = False,
     """The decoder layer's forward (signature and return convention of LlamaDecoderLayer.forward:
     the new hidden states alone; the KV cache as `cache` or `past_key_values`); `drop`: the
     layer's dropout of the MLP's output before its residual add, where the family has one."""
+    gate_act = "gelu_tanh" if family.gemma else "silu"
 
     def forward(self: nn.Module, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None,
@@ -705,14 +809,22 @@ def _layer_forward(family: Family, api: CacheApi, fp8: bool, act: bool = False,
             hidden_states=hidden_states, attention_mask=attention_mask,
             position_ids=position_ids, use_cache=use_cache,
             position_embeddings=position_embeddings, **kwargs)
-        norm, down = self.post_attention_layernorm, self.mlp.down_proj
+        norm = self.pre_feedforward_layernorm if family.gemma else self.post_attention_layernorm
+        down = self.mlp.down_proj
         (gate, up), (s_gate, s_up) = _gate_up_tensors(self.mlp, family, fp8)
         if _wants_grad(self, hidden_states, fp8):
-            h = rmsnorm(hidden_states, norm.weight, eps=norm.variance_epsilon)
+            _no_backward(family, self)
+            h = rmsnorm(hidden_states, norm.weight, eps=_eps(norm))
             out = F.linear(swiglu(F.linear(h, gate), F.linear(h, up)), down.weight)
             return hidden_states + (drop(out) if drop is not None else out)
-        h = ops.ffn(hidden_states, norm.weight, gate, up, norm.variance_epsilon,
-                    gate_scale=s_gate, up_scale=s_up, fp8_activations=act)
+        h = ops.ffn(hidden_states, _norm_weight(norm, family), gate, up, _eps(norm),
+                    gate_scale=s_gate, up_scale=s_up, activation=gate_act,
+                    fp8_activations=act)
+        if family.gemma:  # the MLP's output normalized, then added
+            post = self.post_feedforward_layernorm
+            out = ops.linear(h, down.weight, weight_scale=_scale(down, fp8), fp8_activations=act)
+            return ops.rmsnorm(out, _norm_weight(post, family), _eps(post),
+                               residual=hidden_states)
         if _dropping(drop):
             return hidden_states + drop(ops.linear(h, down.weight,
                                                    weight_scale=_scale(down, fp8),
@@ -723,9 +835,14 @@ def _layer_forward(family: Family, api: CacheApi, fp8: bool, act: bool = False,
     return forward
 
 
-def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    from fusetune import ops
+def _norm_forward(family: Family) -> Callable[..., Any]:
+    """The final norm's forward."""
 
-    if torch.is_grad_enabled():  # fusetune.rmsnorm has its backward pass
-        return rmsnorm(hidden_states, self.weight, eps=self.variance_epsilon)
-    return ops.rmsnorm(hidden_states, self.weight, self.variance_epsilon)
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        from fusetune import ops
+
+        if torch.is_grad_enabled():  # fusetune.rmsnorm has its backward pass
+            return rmsnorm(hidden_states, _norm_weight(self, family), eps=_eps(self))
+        return ops.rmsnorm(hidden_states, _norm_weight(self, family), _eps(self))
+
+    return forward

@@ -127,10 +127,6 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
             return torch.mm(x, w.t(), out=out)
         return torch.addmm(add, x, w.t(), out=out)
     step = _chunks(w, x.dtype)
-    if step >= w.shape[0]:
-        wd = _upcast(w, scale, x.dtype)
-        return torch.mm(x, wd.t(), out=out) if add is None else torch.addmm(add, x, wd.t(),
-                                                                            out=out)
     for n0 in range(0, w.shape[0], step):
         n1 = min(n0 + step, w.shape[0])
         wd = _upcast(w[n0:n1], None if scale is None else scale[n0:n1], x.dtype)
@@ -160,5 +156,20 @@ def stacked(*parts: torch.Tensor) -> torch.Tensor | None:
     return torch.as_strided(first, (rows, *first.shape[1:]), first.stride())
 
 
+def stacked_operands(weights: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...] | None,
+                     biases: tuple[torch.Tensor, ...] | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """(weights, their scales, their biases) each as one stacked tensor (`stacked`), for one GEMM
+    over all of them; None where any of the three given is not one stack."""
+    w_all = stacked(*weights)
+    s_all = None if scales is None else stacked(*scales)
+    b_all = None if biases is None else stacked(*biases)
+    if w_all is None or (scales is not None and s_all is None) or (
+            biases is not None and b_all is None):
+        return None
+    return w_all, s_all, b_all
+
+
 # in the kernels' source hashes
-SOURCES = (canonical, resources, _chunks, _upcast_kernel, _upcast, matmul, stacked)
+SOURCES = (canonical, resources, _chunks, _upcast_kernel, _upcast, matmul, stacked,
+           stacked_operands)

@@ -1,5 +1,6 @@
-"""Feed-forward gate of Llama-style MLPs, fused: h = silu(a) · b with
-a = rmsnorm(x)·W1ᵀ and b = rmsnorm(x)·W3ᵀ, in one pass over x.
+"""Feed-forward gate of Llama-style MLPs, fused: h = silu(a) · b (or Gemma's GeGLU, gelu(a) · b
+with the tanh approximation) with a = rmsnorm(x)·W1ᵀ and b = rmsnorm(x)·W3ᵀ, in one pass
+over x.
 
 RMSNorm folds into the matmul: rmsnorm(x)·Wᵀ = rstd ⊙ ((x ⊙ g)·Wᵀ), with rstd = rsqrt(mean(x²)+eps)
 per row. Each program accumulates (x ⊙ g)·W1ᵀ and (x ⊙ g)·W3ᵀ for one [BLOCK_M, BLOCK_N] tile
@@ -102,6 +103,7 @@ def _ffn_kernel(
     SPREAD: tl.constexpr,  # BLOCK_M == 1: the program's BLOCK_N columns far apart (block_rows)
     THREAD_SUM: tl.constexpr,  # BLOCK_M == 1: each thread adds its weight run up first
     TMA: tl.constexpr,  # X, W1, W3 are TMA descriptors (PASSES == 2, see tma_two_products)
+    ACT: tl.constexpr,  # the gate's activation: ACTIVATIONS[ACT] (0 silu, 1 gelu, tanh form)
 ):
     pid_m, pid_n = grouped_tile(tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
@@ -132,16 +134,23 @@ def _ffn_kernel(
         # The scales of the FP8 operands (x's row scales, the channels' own) and rstd.
         a, b = rms_scaled_products(acc1, acc3, sumsq, K, eps, SX, rm, m_ok, S1, rn, S3, rn, n_ok,
                                    ACT_FP8, W_SCALED, PASSES)
-        h = a * tl.sigmoid(a) * b  # silu(a) · b, float32
+        if ACT == 0:
+            h = a * tl.sigmoid(a) * b  # silu(a) · b, float32
+        else:
+            # gelu(a) · b, tanh form: 0.5·a·(1 + tanh(√(2/π)·(a + 0.044715·a³))), float32,
+            # with tanh(z) = 2·σ(2z) − 1
+            z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+            h = a * tl.sigmoid(2.0 * z) * b
         out_ptrs = OUT + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
         tl.store(out_ptrs, h.to(OUT.dtype.element_ty), mask=mn_ok)
 
 
 def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                out: torch.Tensor, eps: float, config: Config, s1: torch.Tensor | None = None,
-               s3: torch.Tensor | None = None, act: bool = False) -> None:
+               s3: torch.Tensor | None = None, act: bool = False, gate: int = 0) -> None:
     """Launches on x [M, K], weights [N, K] (unit column strides; x's dtype or FP8 with
-    optional per-channel scales s1, s3 [N]), out [M, N]; `act`: FP8 activations.
+    optional per-channel scales s1, s3 [N]), out [M, N]; `act`: FP8 activations; `gate`: the
+    gate's activation, an index of ACTIVATIONS.
 
     PASSES = 2: RMSNorm runs first as its own kernel (tuned config from the tables) and the
     matmul reads its output; with FP8 activations that pass always runs and writes the rows in
@@ -154,7 +163,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
     if m == 0 or n == 0:
         return
     if _unfused.unfused(config):
-        _unfused_2d(x, g, w1, w3, out, eps, s1, s3, act)
+        _unfused_2d(x, g, w1, w3, out, eps, s1, s3, act, gate)
         return
     x, sx = first_pass(x, g, eps, config, act, lambda t: norm_rows(t, g, eps))
     gemv = config["BLOCK_M"] == 1
@@ -177,7 +186,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
         direct(_ffn_kernel)[grid](
             xa, g, w1a, w3a, out, ws, wsq, out if sx is None else sx,
             out if s1 is None else s1, out if s3 is None else s3, m, n, k, x.stride(0),
-            w1.stride(0), out.stride(0), eps, FINISH=finish, **args,
+            w1.stride(0), out.stride(0), eps, FINISH=finish, ACT=gate, **args,
         )
 
     launch_split(launch, cdiv(m, bm) * cdiv(n, bn), split)
@@ -185,10 +194,11 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Ten
 
 def _unfused_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                 out: torch.Tensor, eps: float, s1: torch.Tensor | None, s3: torch.Tensor | None,
-                act: bool) -> None:
+                act: bool, gate: int = 0) -> None:
     """UNFUSED = 1 (_unfused): RMSNorm (its tuned config), then cuBLAS: one GEMM over W1 and
     W3 where they are one stacked matrix (fusetune.patch makes them views of one), else one
-    each (FP8 weights upcast with their scales); then SiLU·mul (swiglu's tuned config)."""
+    each (FP8 weights upcast with their scales); then SiLU·mul (swiglu's tuned config), or
+    GeGLU's gelu·mul in float32 by torch."""
     from fusetune.kernels.swiglu import SPEC as SWIGLU
     from fusetune.kernels.swiglu import _launch_2d as swiglu_2d
     from fusetune.runtime import cached_config
@@ -197,18 +207,27 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Te
         raise ConfigError("ffn: UNFUSED=1 with FP8 activations: that mode runs fused only")
     m, hidden = x.shape[0], w1.shape[0]
     xn = norm_rows(x, g, eps)
-    both = _unfused.stacked(w1, w3)
-    scales = None if s1 is None or s3 is None else _unfused.stacked(s1, s3)
-    if both is not None and (s1 is None) == (s3 is None) and (s1 is None or scales is not None):
+    one_gemm = None if (s1 is None) != (s3 is None) else _unfused.stacked_operands(
+        (w1, w3), None if s1 is None else (s1, s3), None)
+    if one_gemm is not None:
+        both, scales, _ = one_gemm
         ab = _unfused.matmul(xn, both, scales,
                              torch.empty((m, 2 * hidden), dtype=x.dtype, device=x.device))
         a, b = ab[:, :hidden], ab[:, hidden:]
     else:
         a = _unfused.matmul(xn, w1, s1, torch.empty((m, hidden), dtype=x.dtype, device=x.device))
         b = _unfused.matmul(xn, w3, s3, torch.empty((m, hidden), dtype=x.dtype, device=x.device))
+    if ACTIVATIONS[gate] == "gelu_tanh":
+        torch.mul(torch.nn.functional.gelu(a.float(), approximate="tanh"), b.float(), out=out)
+        return
     cfg = cached_config(SWIGLU, (("hidden", hidden),), dtype_name(x.dtype), m, "", x.device,
                         warn=False)
     swiglu_2d(a, b, out, cfg)
+
+
+# The gate's activations (the point's optional dim `act` is an index of this): Llama's SiLU
+# (SwiGLU) and Gemma's GELU in its tanh form (GeGLU, transformers' gelu_pytorch_tanh).
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def ffn(
@@ -220,11 +239,13 @@ def ffn(
     eps: float,
     w1_scale: torch.Tensor | None = None,
     w3_scale: torch.Tensor | None = None,
+    activation: str = "silu",
     fp8_activations: bool = False,
     config: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """silu(rmsnorm(x)·W1ᵀ) · (rmsnorm(x)·W3ᵀ) for x [..., dim], W1 and W3 [hidden, dim], with
-    the model's norm epsilon `eps`.
+    the model's norm epsilon `eps`; `activation="gelu_tanh"`: gelu (tanh form, Gemma's
+    gelu_pytorch_tanh) instead of silu.
 
     W1 and W3 are in x's dtype, or both FP8 (torch.float8_e4m3fn or float8_e5m2, e.g. from
     fusetune.quantize_fp8) with optional float32 scales per output channel `w1_scale`,
@@ -240,15 +261,21 @@ def ffn(
     memo_key = None
     if _MEMO.active(config):
         memo_key = (tensor_key(x), tensor_key(rms_weight), tensor_key(w1), tensor_key(w3),
-                    tensor_key(w1_scale), tensor_key(w3_scale), eps, fp8_activations)
+                    tensor_key(w1_scale), tensor_key(w3_scale), eps, activation,
+                    fp8_activations)
         inputs = (x, rms_weight, w1, w3, w1_scale, w3_scale)
 
         def run(cfg: Config) -> torch.Tensor:
-            return _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale, fp8_activations, cfg)
+            return _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale, fp8_activations, cfg,
+                        ACTIVATIONS.index(activation))
 
         out = _MEMO.repeat(memo_key, inputs, run)
         if out is not None:
             return out
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"ffn: activation={activation!r}; valid: "
+                         f"{', '.join(repr(a) for a in ACTIVATIONS)}")
+    gate = ACTIVATIONS.index(activation)
     if x.ndim < 1:
         raise ValueError("ffn: x must have at least one dimension")
     d = x.shape[-1]
@@ -273,13 +300,14 @@ def ffn(
         from fusetune.runtime import cached_config
 
         m = x.numel() // d if d else 0
-        cfg = cached_config(SPEC, (("dim", d), ("hidden", w1.shape[0])), dtype, m, weights,
-                            x.device, activations="fp8" if fp8_activations else "")
+        dims = (*((("act", gate),) if gate else ()), ("dim", d), ("hidden", w1.shape[0]))
+        cfg = cached_config(SPEC, dims, dtype, m, weights, x.device,
+                            activations="fp8" if fp8_activations else "")
         if memo_key is not None:
             return _MEMO.first(memo_key, inputs, cfg, since, run)
     else:
         cfg = SPEC.validate_config(config)
-    return _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale, fp8_activations, cfg)
+    return _run(x, rms_weight, w1, w3, eps, w1_scale, w3_scale, fp8_activations, cfg, gate)
 
 
 _MEMO = CallMemo()
@@ -287,7 +315,7 @@ _MEMO = CallMemo()
 
 def _run(x: torch.Tensor, rms_weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
          eps: float, w1_scale: torch.Tensor | None, w3_scale: torch.Tensor | None,
-         fp8_activations: bool, cfg: Config) -> torch.Tensor:
+         fp8_activations: bool, cfg: Config, gate: int = 0) -> torch.Tensor:
     """ffn's launch, once its inputs are checked and its config chosen."""
     if (w1_scale is None) != (w3_scale is None):  # the kernel scales both or neither
         ones = torch.ones(w1.shape[0], dtype=torch.float32, device=x.device)
@@ -299,7 +327,8 @@ def _run(x: torch.Tensor, rms_weight: torch.Tensor, w1: torch.Tensor, w3: torch.
     out = torch.empty((*x.shape[:-1], hidden), dtype=x.dtype, device=x.device)
     _launch_2d(as_rows(x, d), rms_weight.contiguous(), w1, w3, out.view(-1, hidden), float(eps),
                cfg, None if w1_scale is None else w1_scale.contiguous(),
-               None if w3_scale is None else w3_scale.contiguous(), bool(fp8_activations))
+               None if w3_scale is None else w3_scale.contiguous(), bool(fp8_activations),
+               gate)
     return out
 
 
@@ -319,7 +348,8 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     w1_scale, w3_scale = (None, None) if s13 is None else (s13[:hdim], s13[hdim:])
     return {"x": x.to(dtype), "rms_weight": g.to(dtype), "w1": w1, "w3": w3,
             "w1_scale": w1_scale, "w3_scale": w3_scale, "eps": 1e-6,
-            "fp8_activations": point.fp8_activations}
+            "fp8_activations": point.fp8_activations,
+            "activation": ACTIVATIONS[SPEC.dim_value(point, "act")]}
 
 
 def _make_outputs(inputs: Tensors) -> Tensors:
@@ -334,6 +364,8 @@ def _reference(inputs: Tensors) -> Tensors:
     # FP8 weights: the dequantized weights the kernel multiplies by.
     a = xn @ fp8.spec_dequantized(inputs, "w1").T
     b = xn @ fp8.spec_dequantized(inputs, "w3").T
+    if inputs.get("activation", "silu") == "gelu_tanh":
+        return {"h": torch.nn.functional.gelu(a, approximate="tanh") * b}
     return {"h": torch.nn.functional.silu(a) * b}
 
 
@@ -341,7 +373,8 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
     x, h = inputs["x"], outputs["h"]
     _launch_2d(x.view(-1, x.shape[-1]), inputs["rms_weight"], inputs["w1"], inputs["w3"],
                h.view(-1, h.shape[-1]), inputs["eps"], config, inputs.get("w1_scale"),
-               inputs.get("w3_scale"), inputs.get("fp8_activations", False))
+               inputs.get("w3_scale"), inputs.get("fp8_activations", False),
+               ACTIVATIONS.index(inputs.get("activation", "silu")))
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
@@ -367,7 +400,8 @@ def _cost(point: Point) -> Cost:
 
 
 def _dims_from_model(model: ModelPreset) -> dict[str, int]:
-    return {"dim": model.dim, "hidden": model.hidden}
+    gate = ACTIVATIONS.index(model.mlp_act)
+    return {"dim": model.dim, "hidden": model.hidden, **({"act": gate} if gate else {})}
 
 
 
@@ -378,6 +412,7 @@ SPEC = KernelSpec(
     name="ffn",
     description="RMSNorm -> x·W1ᵀ, x·W3ᵀ in one pass over x -> silu(a)·b",
     dim_names=("dim", "hidden"),
+    optional_dims={"act": 0},  # the gate's activation: an index of ACTIVATIONS
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,
     reference=_reference,

@@ -28,6 +28,7 @@ PASSES, SPLIT_K, UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping
 
@@ -100,6 +101,7 @@ def _qkv_kernel(
     SX,  # *[M] float32 scales of X's rows (ACT_FP8 only)
     SQ, SK, SV,  # *[Nq], *[Nkv], *[Nkv] float32 per-output-channel weight scales (W_SCALED)
     BQ, BK, BV,  # *[Nq], *[Nkv], *[Nkv] biases (HAS_BIAS)
+    QN, KN,  # *[head_dim] RMSNorm weights of each q head and each k head (QK_NORM)
     COS, SIN,  # *[B or 1, S, >= HALF] RoPE tables, unit column stride: column i is pair i's
     M, K, S,  # tokens (batch·seq), model width, sequence length: token m is (m // S, m % S)
     NQ_PAIRS, NKV_PAIRS,  # Nq / 2 and Nkv / 2
@@ -107,6 +109,7 @@ def _qkv_kernel(
     stride_xm, stride_wq, stride_wk, stride_wv,
     stride_cb, stride_cs,  # the tables' batch stride (0: one row of positions for the batch)
     eps,
+    qk_eps,  # the q/k norms' epsilon (QK_NORM)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # pairs per program
     BLOCK_K: tl.constexpr,
@@ -125,6 +128,8 @@ def _qkv_kernel(
     THREAD_SUM: tl.constexpr,  # BLOCK_M == 1: each thread adds its weight run up first
     TMA: tl.constexpr,  # X and the weight rows are read through descriptors (tma_two_products)
     HAS_BIAS: tl.constexpr,  # BQ, BK, BV are added before the rotation
+    QK_NORM: tl.constexpr,  # each q and k head is RMS-normalized (QN, KN) before the rotation
+    HEAD_PAIRS: tl.constexpr,  # QK_NORM: HALF, which then divides BLOCK_N (whole heads a tile)
 ):
     # Column-blocks of the three matrices side by side: [Q blocks | K blocks | V blocks].
     nb_q = tl.cdiv(NQ_PAIRS, BLOCK_N)
@@ -139,15 +144,18 @@ def _qkv_kernel(
         W, Y, stride_w, n_pairs, blk, first = WQ, OQ, stride_wq, NQ_PAIRS, pid_n, 0 * NQ_PAIRS
         SW = SQ
         BW = BQ
+        NW = QN
     elif pid_n < nb_q + nb_kv:
         W, Y, stride_w, n_pairs, blk, first = WK, OK, stride_wk, NKV_PAIRS, pid_n - nb_q, NQ_PAIRS
         SW = SK
         BW = BK
+        NW = KN
     else:
         W, Y, stride_w, n_pairs, blk, first = (WV, OV, stride_wv, NKV_PAIRS, pid_n - nb_q - nb_kv,
                                                NQ_PAIRS + NKV_PAIRS)
         SW = SV
         BW = BV
+        NW = QN  # not read: V is not normalized
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     p = block_rows(blk, n_pairs, BLOCK_N, SPREAD)  # pair index within the matrix
@@ -213,6 +221,24 @@ def _qkv_kernel(
         if HAS_BIAS:  # q = x·Wᵀ + b first, then the rotation
             a += tl.load(BW + col_a, mask=p_ok, other=0.0).to(tl.float32)[None, :]
             b += tl.load(BW + col_b, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+        if QK_NORM:
+            # The tile holds whole heads (HEAD_PAIRS divides BLOCK_N, SPREAD 0: the launcher's
+            # configs), HEAD_PAIRS consecutive pairs each: the mean of a head's squares over
+            # its 2·HEAD_PAIRS columns, then the norm's weight of each column within the head
+            # (pair i's columns a and b). Masked pairs are 0 and add nothing; V's lanes keep
+            # their values (rotate is False there).
+            heads: tl.constexpr = BLOCK_N // HEAD_PAIRS
+            sq = tl.reshape(a * a + b * b, [BLOCK_M, heads, HEAD_PAIRS])
+            rstd = tl.rsqrt(tl.sum(sq, axis=2) / (2 * HEAD_PAIRS) + qk_eps)
+            r = tl.reshape(tl.broadcast_to(rstd[:, :, None], [BLOCK_M, heads, HEAD_PAIRS]),
+                           [BLOCK_M, BLOCK_N])
+            in_head_a = col_a - head * (2 * HALF)
+            nw_ok = p_ok & rotate
+            wa = tl.load(NW + in_head_a, mask=nw_ok, other=1.0).to(tl.float32)
+            wb = tl.load(NW + in_head_a + (col_b - col_a), mask=nw_ok, other=1.0).to(tl.float32)
+            norm = rotate[None, :]
+            a = tl.where(norm, a * r * wa[None, :], a)
+            b = tl.where(norm, b * r * wb[None, :], b)
         # RoPE in float32 with the tables' cos and sin of token m's row, column i. V's lanes
         # read nothing: cos 1 and sin 0 leave them as they are.
         t_off = (rm // S).to(tl.int64) * stride_cb + (rm % S).to(tl.int64) * stride_cs
@@ -237,6 +263,10 @@ def _qkv_kernel(
             tl.store(o_row + col_b[None, :], yb.to(Y.dtype.element_ty), mask=mp_ok)
 
 
+# q's and k's per-head RMSNorm weights [head_dim] and their epsilon (Qwen3's q_norm, k_norm)
+QkNorm = tuple[torch.Tensor, torch.Tensor, float]
+
+
 def tma_pairs(interleaved: bool, head_dim: int, block_n: int) -> bool:
     """Whether the TMA loop can read tiles of `block_n` pairs: interleaved pairs always (even
     and odd rows); half-split pairs where a tile's pairs lie in one head (see the kernel)."""
@@ -248,11 +278,13 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
                cos: torch.Tensor, sin: torch.Tensor, seq: int, head_dim: int, eps: float,
                interleaved: bool, config: Config,
                scales: tuple[torch.Tensor, ...] | None = None,
-               biases: tuple[torch.Tensor, ...] | None = None, act: bool = False) -> None:
+               biases: tuple[torch.Tensor, ...] | None = None, act: bool = False,
+               qk_norm: QkNorm | None = None) -> None:
     """x [M, K] (M = batch·seq rows); weights [N, K] with unit column stride (x's dtype or FP8,
     one dtype for the three, with per-channel scales `scales` = (sq, sk, sv) or None); biases
     (bq, bk, bv) or None; cos and sin [B or 1, seq, >= head_dim/2] with unit column stride;
-    outputs contiguous [M, N]; `act`: FP8 activations.
+    outputs contiguous [M, N]; `act`: FP8 activations; `qk_norm`: (q's and k's norm weights
+    [head_dim], their epsilon), whose configs keep whole heads in a tile (`_resources`).
 
     PASSES = 2: RMSNorm runs first as its own kernel (tuned config from the tables) and the
     matmul reads its output; with FP8 activations that pass always runs and writes the rows in
@@ -265,7 +297,7 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
         return
     if _unfused.unfused(config):
         _unfused_2d(x, g, (wq, wk, wv), (oq, ok, ov), cos, sin, seq, head_dim, eps,
-                    interleaved, scales, biases, act)
+                    interleaved, scales, biases, act, qk_norm)
         return
     x, sx = first_pass(x, g, eps, config, act, lambda t: norm_rows(t, g, eps))
     gemv = config["BLOCK_M"] == 1
@@ -296,14 +328,16 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     args = launch_args(config, act=act, w_fp8=w_fp8, ieee=x.dtype == torch.float32,
                        w_scaled=scales is not None, tma=descs is not None)
     bq, bk, bv = biases if biases is not None else (oq, oq, oq)
+    qn, kn, qk_eps = qk_norm if qk_norm is not None else (oq, oq, 0.0)
     stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0  # one row of positions: broadcast
 
     def launch(grid: tuple[int, int], finish: bool) -> None:
         direct(_qkv_kernel)[grid](
             xa, g, wq, wk, wv, *row_descs, oq, ok, ov, ws, wsq, oq if sx is None else sx, sq,
-            sk, sv, bq, bk, bv, cos, sin, m, k, seq, nq_pairs, nkv_pairs, half,
+            sk, sv, bq, bk, bv, qn, kn, cos, sin, m, k, seq, nq_pairs, nkv_pairs, half,
             x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), stride_cb, cos.stride(1),
-            eps, INTERLEAVED=interleaved, FINISH=finish, HAS_BIAS=biases is not None, **args,
+            eps, qk_eps, INTERLEAVED=interleaved, FINISH=finish, HAS_BIAS=biases is not None,
+            QK_NORM=qk_norm is not None, HEAD_PAIRS=half if qk_norm is not None else 1, **args,
         )
 
     launch_split(launch, cdiv(m, config["BLOCK_M"]) * n_blocks, split)
@@ -313,12 +347,14 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, .
                 outs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor, seq: int,
                 head_dim: int, eps: float, interleaved: bool,
                 scales: tuple[torch.Tensor, ...] | None,
-                biases: tuple[torch.Tensor, ...] | None, act: bool) -> None:
+                biases: tuple[torch.Tensor, ...] | None, act: bool,
+                qk_norm: QkNorm | None = None) -> None:
     """UNFUSED = 1 (_unfused): RMSNorm (its tuned config), cuBLAS (biases by its beta; FP8
     weights upcast with their scales), then RoPE on q and k (rope's tuned config). Where Wq,
     Wk and Wv are one stacked matrix (fusetune.patch makes them views of one; their scales and
     biases likewise, or none), one GEMM over all three into a workspace, which RoPE reads into
-    q and k and a copy into v; else a GEMM straight into each output, rotated in place."""
+    q and k and a copy into v; else a GEMM straight into each output, rotated in place. With
+    `qk_norm`, each q and k head is normalized by the rmsnorm kernel before RoPE reads it."""
     from fusetune.kernels._rotary import launch_rotation
     from fusetune.kernels.rope import SPEC as ROPE
     from fusetune.runtime import cached_config
@@ -327,12 +363,9 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, .
         raise ConfigError("qkv: UNFUSED=1 with FP8 activations: that mode runs fused only")
     m = x.shape[0]
     xn = norm_rows(x, g, eps)
-    w_all = _unfused.stacked(*weights)
-    s_all = None if scales is None else _unfused.stacked(*scales)
-    b_all = None if biases is None else _unfused.stacked(*biases)
-    one_gemm = (w_all is not None and (scales is None or s_all is not None)
-                and (biases is None or b_all is not None))
-    if one_gemm:
+    one_gemm = _unfused.stacked_operands(weights, scales, biases)
+    if one_gemm is not None:
+        w_all, s_all, b_all = one_gemm
         ws = torch.empty((m, w_all.shape[0]), dtype=x.dtype, device=x.device)
         _unfused.matmul(xn, w_all, s_all, ws, b_all)
         cols = [0]
@@ -345,8 +378,10 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, .
             _unfused.matmul(xn, w, None if scales is None else scales[i], out.view(m, -1),
                             None if biases is None else biases[i])
         parts = [out.view(m, -1) for out in outs]
-    for w, part, out in zip(weights[:2], parts[:2], outs[:2], strict=False):
+    for j, (w, part, out) in enumerate(zip(weights[:2], parts[:2], outs[:2], strict=False)):
         heads = w.shape[0] // head_dim
+        if qk_norm is not None:  # the heads as rows of head_dim, normalized into a new tensor
+            part = norm_rows(part.contiguous().view(-1, head_dim), qk_norm[j], qk_norm[2])
         src = part.view(m // seq, seq, heads, head_dim)  # the workspace's columns: row
         # stride the stacked width
         dst = out.view(m // seq, seq, heads, head_dim)
@@ -374,12 +409,18 @@ def qkv(
     wq_scale: torch.Tensor | None = None,
     wk_scale: torch.Tensor | None = None,
     wv_scale: torch.Tensor | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    qk_eps: float | None = None,
     fp8_activations: bool = False,
     config: Mapping[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm(x) projected to q, k, v (+ bq, bk, bv), with RoPE on q and k (see the module
-    docstring). Returns q [batch, seq, n_heads, head_dim], k and v [batch, seq, n_kv_heads,
-    head_dim], contiguous, in x's dtype.
+    docstring). With `q_norm` and `k_norm` ([head_dim] weights, both or neither) and their
+    epsilon `qk_eps`, each head of q and of k is RMS-normalized before RoPE (Qwen3's q_norm,
+    k_norm), in the same launch (its configs keep whole heads in a tile). Returns q [batch,
+    seq, n_heads, head_dim], k and v [batch, seq, n_kv_heads, head_dim], contiguous, in x's
+    dtype.
 
     The layout is the caller's, never guessed: `head_dim` (which must divide the projections'
     widths), `interleaved` (True: pairs (2i, 2i+1) as Meta's Llama code; False: (i, i +
@@ -396,18 +437,22 @@ def qkv(
     num_warps, num_stages) comes from the lookup tables (for this weight format and
     activation mode) unless `config` is given; no config changes the numerics.
     """
+    qk = None if q_norm is None or k_norm is None or qk_eps is None else (q_norm, k_norm,
+                                                                          float(qk_eps))
     memo_key = None
     if _MEMO.active(config):
         memo_key = (tensor_key(x), tensor_key(rms_weight), tensor_key(wq), tensor_key(wk),
                     tensor_key(wv), tensor_key(cos), tensor_key(sin), eps, head_dim,
                     interleaved, type(interleaved), tensor_key(bq), tensor_key(bk), tensor_key(bv),
                     tensor_key(wq_scale), tensor_key(wk_scale), tensor_key(wv_scale),
-                    fp8_activations)
-        inputs = (x, rms_weight, wq, wk, wv, cos, sin, bq, bk, bv, wq_scale, wk_scale, wv_scale)
+                    tensor_key(q_norm), tensor_key(k_norm), qk_eps, fp8_activations)
+        inputs = (x, rms_weight, wq, wk, wv, cos, sin, bq, bk, bv, wq_scale, wk_scale, wv_scale,
+                  q_norm, k_norm)
 
         def run(cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return _run(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, interleaved,
-                        (bq, bk, bv), (wq_scale, wk_scale, wv_scale), fp8_activations, cfg)
+                        (bq, bk, bv), (wq_scale, wk_scale, wv_scale), fp8_activations, cfg,
+                        qk)
 
         out = _MEMO.repeat(memo_key, inputs, run)
         if out is not None:
@@ -446,9 +491,22 @@ def qkv(
                 raise ValueError(f"qkv: {name} must be [{w.shape[0]}] on {x.device}, got "
                                  f"{tuple(b.shape)} on {b.device}")
             dtype_name(b.dtype)  # raises for a bias dtype the kernel cannot read
+    if (q_norm is None) != (k_norm is None) or (q_norm is None) != (qk_eps is None):
+        raise ValueError("qkv: q_norm, k_norm and qk_eps come together (Qwen3's per-head norms "
+                         f"and their epsilon) or not at all; got q_norm "
+                         f"{'set' if q_norm is not None else 'None'}, k_norm "
+                         f"{'set' if k_norm is not None else 'None'}, qk_eps={qk_eps!r}")
+    for name, t in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if t is not None:
+            if t.shape != (head_dim,) or t.device != x.device:
+                raise ValueError(f"qkv: {name} must be [{head_dim}] (head_dim) on {x.device}, "
+                                 f"got {tuple(t.shape)} on {t.device}")
+            dtype_name(t.dtype)  # raises for a dtype the kernel cannot read
+    if qk_eps is not None:
+        check_eps("qkv", qk_eps)
     check_tables(cos, sin, bsz, seq, head_dim, x.device, "qkv")
     check_device(x, "qkv")
-    check_no_grad("qkv", x, rms_weight, wq, wk, wv, bq, bk, bv)
+    check_no_grad("qkv", x, rms_weight, wq, wk, wv, bq, bk, bv, q_norm, k_norm)
     if fp8_activations:
         fp8.check_fp8_activations("qkv", weights, x.device)
     if config is None:
@@ -456,15 +514,22 @@ def qkv(
         from fusetune.runtime import cached_config
 
         dims = (("dim", d), ("head_dim", head_dim), ("interleaved", int(interleaved)),
-                ("n_heads", nq // head_dim), ("n_kv_heads", nkv // head_dim))
+                ("n_heads", nq // head_dim), ("n_kv_heads", nkv // head_dim),
+                *((("qk_norm", 1),) if qk is not None else ()))
         cfg = cached_config(SPEC, dims, dtype, bsz * seq, weights, x.device,
                             activations="fp8" if fp8_activations else "")
         if memo_key is not None:
             return _MEMO.first(memo_key, inputs, cfg, since, run)
     else:
         cfg = SPEC.validate_config(config)
+        if qk is not None and not _unfused.unfused(cfg) and (cfg["BLOCK_N"] % (head_dim // 2)
+                                                             or cfg["SPREAD"]):
+            raise ConfigError(
+                f"qkv: with q_norm and k_norm a tile must hold whole heads: BLOCK_N="
+                f"{cfg['BLOCK_N']} pairs must be a multiple of head_dim/2 = {head_dim // 2}, "
+                f"and SPREAD={cfg['SPREAD']} must be 0")
     return _run(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, interleaved, (bq, bk, bv),
-                (wq_scale, wk_scale, wv_scale), fp8_activations, cfg)
+                (wq_scale, wk_scale, wv_scale), fp8_activations, cfg, qk)
 
 
 _MEMO = CallMemo()
@@ -473,8 +538,8 @@ _MEMO = CallMemo()
 def _run(x: torch.Tensor, rms_weight: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
          wv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, head_dim: int,
          interleaved: bool, given_biases: tuple[torch.Tensor | None, ...],
-         given_scales: tuple[torch.Tensor | None, ...], fp8_activations: bool, cfg: Config
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         given_scales: tuple[torch.Tensor | None, ...], fp8_activations: bool, cfg: Config,
+         qk: QkNorm | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv's launch, once its inputs are checked and its config chosen."""
     bsz, seq, d = x.shape
     nq, nkv = wq.shape[0], wk.shape[0]
@@ -498,7 +563,8 @@ def _run(x: torch.Tensor, rms_weight: torch.Tensor, wq: torch.Tensor, wk: torch.
     v = torch.empty_like(k)
     _launch_2d(x2, rms_weight.contiguous(), *ws, q.view(bsz * seq, nq), k.view(bsz * seq, nkv),
                v.view(bsz * seq, nkv), cos, sin, seq, head_dim, float(eps), interleaved, cfg,
-               scales, biases, bool(fp8_activations))
+               scales, biases, bool(fp8_activations),
+               None if qk is None else (qk[0].contiguous(), qk[1].contiguous(), qk[2]))
     return q, k, v
 
 
@@ -524,10 +590,15 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     positions = (torch.arange(point.seq, device=device)[None, :] + 5
                  + 3 * torch.arange(point.batch, device=device)[:, None])
     cos, sin = rotary_tables(positions, hd, theta=10000.0, dtype=dtype)
-    return {"x": x.to(dtype), "rms_weight": g.to(dtype), "wq": wq, "wk": wk, "wv": wv,
-            "wq_scale": sq, "wk_scale": sk, "wv_scale": sv, "cos": cos, "sin": sin,
-            "eps": 1e-6, "head_dim": hd, "interleaved": bool(dm["interleaved"]),
-            "fp8_activations": point.fp8_activations}
+    inputs = {"x": x.to(dtype), "rms_weight": g.to(dtype), "wq": wq, "wk": wk, "wv": wv,
+              "wq_scale": sq, "wk_scale": sk, "wv_scale": sv, "cos": cos, "sin": sin,
+              "eps": 1e-6, "head_dim": hd, "interleaved": bool(dm["interleaved"]),
+              "fp8_activations": point.fp8_activations}
+    if SPEC.dim_value(point, "qk_norm"):  # Qwen3's per-head norms of q and k
+        inputs.update(q_norm=(1.0 + 0.1 * torch.randn(hd, device=device)).to(dtype),
+                      k_norm=(1.0 + 0.1 * torch.randn(hd, device=device)).to(dtype),
+                      qk_eps=1e-6)
+    return inputs
 
 
 def _make_outputs(inputs: Tensors) -> Tensors:
@@ -555,6 +626,12 @@ def _reference(inputs: Tensors) -> Tensors:
         (xn @ fp8.spec_dequantized(inputs, w).T + _bias(inputs, w)).view(b, s, -1, hd)
         for w in ("wq", "wk", "wv")
     )
+    if inputs.get("q_norm") is not None:  # Qwen3: each head RMS-normalized, then rotated
+        def head_norm(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            r = torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + inputs["qk_eps"])
+            return t * r * w.float()
+
+        q, k = head_norm(q, inputs["q_norm"]), head_norm(k, inputs["k_norm"])
     rot = (inputs["cos"], inputs["sin"], inputs["interleaved"])
     return {"q": rotated(q, *rot), "k": rotated(k, *rot), "v": v}
 
@@ -569,7 +646,9 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
                config, None if inputs.get("wq_scale") is None else
                (inputs["wq_scale"], inputs["wk_scale"], inputs["wv_scale"]),
                None if inputs.get("bq") is None else (inputs["bq"], inputs["bk"], inputs["bv"]),
-               inputs.get("fp8_activations", False))
+               inputs.get("fp8_activations", False),
+               None if inputs.get("q_norm") is None else
+               (inputs["q_norm"], inputs["k_norm"], inputs["qk_eps"]))
 
 
 def _pairs(point: Point) -> int:
@@ -584,9 +663,17 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
         # pairs x 512; 16 pairs x 256 lies among neighbours that are all fast, so a GPU or
         # dims a little different keep it fast too.
         c["BLOCK_N"], c["BLOCK_K"] = 16, 256
-        return c
-    # BLOCK_N counts pairs, two output columns each (tl.dot still needs 16 of them).
-    c["BLOCK_N"] = max(16, c["BLOCK_N"] // 2)
+    else:
+        # BLOCK_N counts pairs, two output columns each (tl.dot still needs 16 of them).
+        c["BLOCK_N"] = max(16, c["BLOCK_N"] // 2)
+    if SPEC.dim_value(point, "qk_norm"):
+        # Whole heads per tile (the per-head norm): the pairs of one head at least, and the
+        # GEMV's K steps shorter for its four times wider tiles.
+        half = point.dim["head_dim"] // 2
+        c["BLOCK_N"] = -(-max(c["BLOCK_N"], half) // half) * half
+        c["SPREAD"] = 0
+        if c["BLOCK_M"] == 1:
+            c["BLOCK_K"] = 64
     return c
 
 
@@ -600,8 +687,14 @@ def _canonical(config: Config, point: Point) -> Config:
 def _resources(config: Config, point: Point) -> Resources:
     # Columns a and b of each pair: two weight tiles per K-step, two accumulators staged for
     # the epilogue; more base registers than ffn's for the RoPE epilogue.
-    return matmul_resources(config, point, n_weights=2, epilogue=True, base_regs=48,
-                            unfused=True)
+    res = matmul_resources(config, point, n_weights=2, epilogue=True, base_regs=48,
+                           unfused=True)
+    half = point.dim["head_dim"] // 2
+    if (SPEC.dim_value(point, "qk_norm") and not res.unfit and not _unfused.unfused(config)
+            and (config["BLOCK_N"] % half or config.get("SPREAD"))):
+        return dataclasses.replace(res, unfit=f"qk_norm: a tile must hold whole heads "
+                                              f"(BLOCK_N a multiple of {half} pairs, SPREAD 0)")
+    return res
 
 
 def _cost(point: Point) -> Cost:
@@ -614,7 +707,8 @@ def _cost(point: Point) -> Cost:
 
 def _dims_from_model(model: ModelPreset) -> dict[str, int]:
     return {"dim": model.dim, "head_dim": model.head_dim, "interleaved": 1,
-            "n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads}
+            "n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads,
+            **({"qk_norm": 1} if model.qk_norm else {})}
 
 
 
@@ -641,6 +735,7 @@ SPEC = KernelSpec(
     # head_dim/2 to be a multiple of BLOCK_N): tuned for one head width, it is no guess for
     # another.
     carry_same=("head_dim", "interleaved"),
+    optional_dims={"qk_norm": 0},
     algorithm_keys=("UNFUSED",),
     **MATMUL_SPEC_FIELDS,
 )

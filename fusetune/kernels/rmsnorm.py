@@ -45,14 +45,17 @@ def _rmsnorm_kernel(
     X,  # *[M, D] input, row stride stride_xm, unit column stride
     W,  # *[D] weight
     Y,  # *[M, D] output, row stride stride_ym, unit column stride
+    R,  # *[M, D] residual added to the normalized rows (HAS_RESIDUAL), row stride stride_rm
     M,  # rows
     D,  # columns (the normalized width)
     stride_xm,
     stride_ym,
+    stride_rm,
     eps,
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr,
     SINGLE_PASS: tl.constexpr,  # BLOCK_D >= D: the whole row fits, no loop
+    HAS_RESIDUAL: tl.constexpr,  # y = r + norm(x)·w (Gemma's norm of a block's output)
 ):
     # Program `pid` owns rows [pid*ROWS, pid*ROWS + ROWS); rows past M are masked off.
     pid = tl.program_id(0)
@@ -61,6 +64,7 @@ def _rmsnorm_kernel(
     # Row offsets in int64: M * stride can pass 2**31 elements for long prefills.
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm  # [ROWS, 1] pointers to row starts
     y_rows = Y + rows[:, None].to(tl.int64) * stride_ym
+    r_rows = R + rows[:, None].to(tl.int64) * stride_rm
 
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_D)
@@ -72,6 +76,8 @@ def _rmsnorm_kernel(
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # [ROWS], float32
         y = x * rstd[:, None] * w[None, :]
+        if HAS_RESIDUAL:  # added in float32: one rounding, at the store
+            y += tl.load(r_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         # Cast back to the output's element type only at the store.
         tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
@@ -91,20 +97,25 @@ def _rmsnorm_kernel(
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
             y = x * rstd[:, None] * w[None, :]
+            if HAS_RESIDUAL:
+                y += tl.load(r_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch_2d(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, eps: float, config: Config
-               ) -> None:
-    """Launches on 2-D views x, y of shape [M, D] (unit column stride) with exactly `config`."""
+def _launch_2d(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, eps: float, config: Config,
+               residual: torch.Tensor | None = None) -> None:
+    """Launches on 2-D views x, y (and residual) of shape [M, D] (unit column stride) with
+    exactly `config`."""
     m, d = x.shape
     if m == 0:
         return
     block_d, rows = config["BLOCK_D"], config["ROWS"]
     grid = (cdiv(m, rows),)
+    r = y if residual is None else residual  # not read without a residual
     direct(_rmsnorm_kernel)[grid](
-        x, weight, y, m, d, x.stride(0), y.stride(0), eps,
+        x, weight, y, r, m, d, x.stride(0), y.stride(0), r.stride(0), eps,
         BLOCK_D=block_d, ROWS=rows, SINGLE_PASS=block_d >= d,
+        HAS_RESIDUAL=residual is not None,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
@@ -114,10 +125,13 @@ def rmsnorm(
     weight: torch.Tensor,
     *,
     eps: float,
+    residual: torch.Tensor | None = None,
     config: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """RMSNorm over the last dimension of `x` (any leading shape), in float32, output in x.dtype:
-    x · rsqrt(mean(x²) + eps) · weight, with the model's own `eps` (no default: models differ).
+    x · rsqrt(mean(x²) + eps) · weight, with the model's own `eps` (no default: models differ);
+    with `residual` (x's shape and dtype), residual + that, added in float32 and rounded once
+    (Gemma's norms of the attention's and the MLP's outputs, before their residual adds).
 
     The launch configuration comes from the lookup tables for this GPU and shape, unless
     `config` (BLOCK_D, ROWS, num_warps, num_stages) is given.
@@ -128,11 +142,11 @@ def rmsnorm(
     """
     memo_key = None
     if _MEMO.active(config):
-        memo_key = (tensor_key(x), tensor_key(weight), eps)
-        inputs = (x, weight)
+        memo_key = (tensor_key(x), tensor_key(weight), eps, tensor_key(residual))
+        inputs = (x, weight, residual)
 
         def run(cfg: Config) -> torch.Tensor:
-            return _run(x, weight, eps, cfg)
+            return _run(x, weight, eps, cfg, residual)
 
         out = _MEMO.repeat(memo_key, inputs, run)
         if out is not None:
@@ -146,9 +160,17 @@ def rmsnorm(
         raise ValueError(f"rmsnorm: weight is on {weight.device}, x on {x.device}")
     check_device(x, "rmsnorm")
     check_eps("rmsnorm", eps)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        # Autograd records the call; its forward comes back here with gradients off.
-        return _RMSNormFunction.apply(x, weight, eps, config)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device):
+        raise ValueError(f"rmsnorm: residual must be x's shape {tuple(x.shape)}, dtype "
+                         f"{x.dtype} and device {x.device}; got {tuple(residual.shape)}, "
+                         f"{residual.dtype}, {residual.device}")
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (residual is not None and residual.requires_grad)):
+        # Autograd records the call; its forward comes back here with gradients off (the
+        # residual's gradient is the output's: its add is autograd's own).
+        out = _RMSNormFunction.apply(x, weight, eps, config)
+        return out if residual is None else residual + out
     dtype = dtype_name(x.dtype)
     dtype_name(weight.dtype)  # raises for weight dtypes the kernel cannot read
     if config is None:
@@ -156,22 +178,25 @@ def rmsnorm(
         from fusetune.runtime import cached_config
 
         m = x.numel() // d if d else 0
-        cfg = cached_config(SPEC, (("dim", d),), dtype, m, "", x.device)
+        dims = (("dim", d), *((("residual", 1),) if residual is not None else ()))
+        cfg = cached_config(SPEC, dims, dtype, m, "", x.device)
         if memo_key is not None:
             return _MEMO.first(memo_key, inputs, cfg, since, run)
     else:
         cfg = SPEC.validate_config(config)
-    return _run(x, weight, eps, cfg)
+    return _run(x, weight, eps, cfg, residual)
 
 
 _MEMO = CallMemo()
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, eps: float, cfg: Config) -> torch.Tensor:
+def _run(x: torch.Tensor, weight: torch.Tensor, eps: float, cfg: Config,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
     """rmsnorm's launch, once its inputs are checked and its config chosen."""
     d = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch_2d(as_rows(x, d), weight.contiguous(), y.view(-1, d), float(eps), cfg)
+    _launch_2d(as_rows(x, d), weight.contiguous(), y.view(-1, d), float(eps), cfg,
+               None if residual is None else as_rows(residual, d))
     return y
 
 
@@ -224,7 +249,10 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     dtype = torch_dtype(point.dtype)
     x = torch.randn(point.batch, point.seq, d, device=device, dtype=torch.float32)
     weight = 1.0 + 0.1 * torch.randn(d, device=device, dtype=torch.float32)
-    return {"x": x.to(dtype), "weight": weight.to(dtype), "eps": 1e-6}
+    inputs = {"x": x.to(dtype), "weight": weight.to(dtype), "eps": 1e-6}
+    if SPEC.dim_value(point, "residual"):
+        inputs["residual"] = torch.randn(point.batch, point.seq, d, device=device).to(dtype)
+    return inputs
 
 
 def _make_outputs(inputs: Tensors) -> Tensors:
@@ -234,13 +262,16 @@ def _make_outputs(inputs: Tensors) -> Tensors:
 def _reference(inputs: Tensors) -> Tensors:
     x = inputs["x"].float()
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + inputs["eps"]) * inputs["weight"].float()
+    if inputs.get("residual") is not None:
+        y = y + inputs["residual"].float()
     return {"y": y}
 
 
 def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
-    x, y = inputs["x"], outputs["y"]
+    x, y, r = inputs["x"], outputs["y"], inputs.get("residual")
     d = x.shape[-1]
-    _launch_2d(x.view(-1, d), inputs["weight"], y.view(-1, d), inputs["eps"], config)
+    _launch_2d(x.view(-1, d), inputs["weight"], y.view(-1, d), inputs["eps"], config,
+               None if r is None else r.view(-1, d))
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
@@ -287,7 +318,8 @@ def _resources(config: Config, point: Point) -> Resources:
 def _cost(point: Point) -> Cost:
     m, d = point.rows, point.dim["dim"]
     elt = DTYPE_BYTES[point.dtype]
-    return Cost(bytes=2 * m * d * elt + d * elt, flops=4 * m * d)
+    tensors = 3 if SPEC.dim_value(point, "residual") else 2  # x, y (and the residual)
+    return Cost(bytes=tensors * m * d * elt + d * elt, flops=4 * m * d)
 
 
 def _dims_from_model(model: ModelPreset) -> dict[str, int]:
@@ -298,6 +330,7 @@ SPEC = KernelSpec(
     name="rmsnorm",
     description="RMSNorm over the last dimension (float32 math), any leading shape",
     dim_names=("dim",),
+    optional_dims={"residual": 0},  # 1: a residual added to the normalized rows
     config_keys=("BLOCK_D", "ROWS", "num_warps", "num_stages"),
     pow2_keys=("BLOCK_D", "ROWS", "num_warps"),
     make_inputs=_make_inputs,

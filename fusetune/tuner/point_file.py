@@ -86,8 +86,9 @@ def _point(spec: KernelSpec, entry: Any) -> Point:
     if not isinstance(entry, Mapping):
         raise TypeError(f"expected a mapping, got {entry!r}")
     dims = entry.get("dims")
-    if not isinstance(dims, Mapping) or sorted(dims) != sorted(spec.dim_names):
-        raise ValueError(f"dims {dims!r} do not match {kernel}'s {', '.join(spec.dim_names)}")
+    if not isinstance(dims, Mapping) or not spec.dims_named(dims):
+        raise ValueError(f"dims {dims!r} do not match {kernel}'s "
+                         f"{', '.join(spec.all_dim_names)}")
     for name, value in dims.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"dims {name}={value!r} must be a non-negative integer")
@@ -105,4 +106,4 @@ def _point(spec: KernelSpec, entry: Any) -> Point:
     if weights:
         weights = spec.point_weights(weights, dtype)
     activations = spec.point_activations(entry.get("activations") or None, weights)
-    return Point.make(kernel, dict(dims), batch, seq, dtype, weights, activations)
+    return Point.make(kernel, spec.short_dims(dims), batch, seq, dtype, weights, activations)

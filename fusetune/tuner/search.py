@@ -117,9 +117,10 @@ def _devices_target(devices: str, gpu_name: str | None) -> Target:
 
 
 def parse_dims(spec_dim_names: Sequence[str], model: str | None, dim: int | None,
-               dims: Mapping[str, int] | None, from_model: Callable[..., dict[str, int]]
-               ) -> dict[str, int]:
-    """The kernel's dims from --model, --dim (the width) or --dims k=v,..."""
+               dims: Mapping[str, int] | None, from_model: Callable[..., dict[str, int]],
+               optional_dims: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The kernel's dims from --model, --dim (the width) or --dims k=v,... (`optional_dims`:
+    the kernel's dims that may be left out, at their defaults)."""
     from fusetune.models import load_model
 
     given = sum(x is not None for x in (model, dim, dims))
@@ -137,12 +138,15 @@ def parse_dims(spec_dim_names: Sequence[str], model: str | None, dim: int | None
         out = {"dim": dim}
     else:
         out = dict(dims or {})
-    if sorted(out) != sorted(spec_dim_names):
-        raise SearchError(f"dims {out} do not match this kernel's {', '.join(spec_dim_names)}")
+    optional = dict(optional_dims or {})
+    if not set(spec_dim_names) <= set(out) <= {*spec_dim_names, *optional}:
+        extra = "".join(f", optionally {k}" for k in optional)
+        raise SearchError(f"dims {out} do not match this kernel's {', '.join(spec_dim_names)}"
+                          f"{extra}")
     for k, v in out.items():
         if v < 0:
             raise SearchError(f"{k}={v} must be a non-negative integer")
-    return out
+    return {k: v for k, v in out.items() if k not in optional or v != optional[k]}
 
 
 @dataclass

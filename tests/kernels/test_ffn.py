@@ -460,3 +460,43 @@ def test_gpu_gemv_whole_rows(dtype: torch.dtype, m: int, spread: int, thread_sum
         "BLOCK_M": 1, "BLOCK_N": 2, "BLOCK_K": 2048, "GROUP_M": 1, "PASSES": 1,
         "SPLIT_K": 1, "UNROLL_K": 1, "SPREAD": spread, "THREAD_SUM": thread_sum,
         "num_warps": 8, "num_stages": 1})
+
+
+# ---- Gemma's GeGLU gate (act = 1: gelu, tanh form) ------------------------------------------
+
+GELU_CONFIGS = {
+    "folded": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1,
+               "SPLIT_K": 1, "num_warps": 2, "num_stages": 2},
+    "split-K": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 4, "PASSES": 2,
+                "SPLIT_K": 2, "num_warps": 4, "num_stages": 2},
+    "one-row": {"BLOCK_M": 1, "GROUP_M": 1, "BLOCK_N": 8, "BLOCK_K": 32, "PASSES": 1,
+                "SPLIT_K": 1, "num_warps": 2, "num_stages": 1},
+    "unfused": {"UNFUSED": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(GELU_CONFIGS))
+def test_gelu_gate_configs_pass_the_tuners_check(name: str) -> None:
+    from fusetune.tuner.bench import Evaluator
+
+    point = Point.make("ffn", {"act": 1, "dim": 64, "hidden": 96}, 1,
+                       1 if name == "one-row" else 7, "float32")
+    default = SPEC.default_config(point, gpus.INTERPRETER)
+    config = SPEC.canonical({**default, "TMA": 0, **GELU_CONFIGS[name]}, point)
+    out = Evaluator(SPEC, point, "interpreter", "cpu").evaluate(config)
+    assert out.status == "ok", out.reason
+    assert out.rel_err is not None and out.rel_err <= 1e-4
+
+
+def test_gelu_gate_through_the_call() -> None:
+    x, g, w1, w3 = make(5, 64, 96, torch.float32)
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    want = torch.nn.functional.gelu(xn @ w1.T, approximate="tanh") * (xn @ w3.T)
+    got = fusetune.ffn(x, g, w1, w3, eps=1e-6, activation="gelu_tanh")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    silu = fusetune.ffn(x, g, w1, w3, eps=1e-6)
+    assert not torch.allclose(silu, got)  # the activation is applied, not silu's
+    with pytest.raises(ValueError, match=r"activation='gelu'; valid: 'silu', 'gelu_tanh'"):
+        fusetune.ffn(x, g, w1, w3, eps=1e-6, activation="gelu")
+    # the point keys the activation: a silu entry never serves a gelu call
+    assert SPEC.short_dims({"act": 0, "dim": 64, "hidden": 96}) == {"dim": 64, "hidden": 96}

@@ -6,9 +6,11 @@ tables, per token, the way a rotary embedding hands them over."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from launched import compiled_kernels, descriptors_made
 
 import fusetune
@@ -16,6 +18,7 @@ from fusetune import gpus, ops
 from fusetune.kernels import fp8
 from fusetune.kernels import qkv as qkv_mod
 from fusetune.spec import ConfigError, Point, check_fits
+from fusetune.tuner.bench import Evaluator
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
@@ -496,3 +499,108 @@ def test_gpu_gemv_structure(dtype: torch.dtype, interleaved: bool, rows: int, un
               "num_warps": 4, "num_stages": 2}
     check(make(1, rows, 4096, 32, 8, 128, dtype), 128, interleaved=interleaved,
           pos=positions(1, rows, start=4000), config=config)
+
+
+# ---- Qwen3's per-head q/k norms (qk_norm) --------------------------------------------------
+
+QK_CONFIGS = {
+    # head_dim 16: 8 pairs a head; tiles of one and of two heads
+    "one head a tile": {"BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 32, "GROUP_M": 1, "PASSES": 1,
+                        "SPLIT_K": 1, "num_warps": 2, "num_stages": 2},
+    "two heads, split-K": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 4,
+                           "PASSES": 2, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2},
+    "one-row": {**GEMV, "BLOCK_N": 16, "BLOCK_K": 32, "PASSES": 1, "SPLIT_K": 1,
+                "num_warps": 2},
+    "tma": {**TMA, "BLOCK_N": 8},
+    "unfused": {"UNFUSED": 1},
+}
+
+
+def qk_point(interleaved: int, dtype: str = "float32", weights: str = "", rows: int = 7
+             ) -> Point:
+    return Point.make("qkv", {"dim": 64, "head_dim": 16, "interleaved": interleaved,
+                              "n_heads": 4, "n_kv_heads": 2, "qk_norm": 1}, 1, rows, dtype,
+                      weights)
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+@pytest.mark.parametrize("name", list(QK_CONFIGS))
+def test_qk_norm_configs_pass_the_tuners_check(name: str, interleaved: int) -> None:
+    point = qk_point(interleaved, rows=1 if name == "one-row" else 7)
+    default = SPEC.default_config(point, gpus.INTERPRETER)
+    config = SPEC.canonical({**default, "TMA": 0, **QK_CONFIGS[name]}, point)
+    assert not SPEC.resources(config, point).unfit
+    out = Evaluator(SPEC, point, "interpreter", "cpu").evaluate(config)
+    assert out.status == "ok", out.reason
+    assert out.rel_err is not None and out.rel_err <= 1e-4
+
+
+@pytest.mark.parametrize("weights", ["", "fp8-e4m3"])
+def test_qk_norm_bfloat16_and_fp8_weights(weights: str) -> None:
+    point = qk_point(0, "bfloat16", weights)
+    config = SPEC.canonical(SPEC.default_config(point, gpus.INTERPRETER), point)
+    out = Evaluator(SPEC, point, "interpreter", "cpu").evaluate(config)
+    assert out.status == "ok", out.reason
+    assert out.rel_err is not None and out.rel_err <= SPEC.tolerance_for(point)
+
+
+def test_qk_norm_is_applied_and_keyed() -> None:
+    # The norms change q and k (a config that left them out would fail the check), v not; a
+    # tile that splits a head is unfit at such points and refused by the call; the lookup keys
+    # the points apart from those without norms (an entry of one never serves the other).
+    point = qk_point(0)
+    inputs = SPEC.make_inputs(point, "cpu")
+    plain = {k: v for k, v in inputs.items() if k not in ("q_norm", "k_norm", "qk_eps")}
+    with_norm, without = SPEC.reference(inputs), SPEC.reference(plain)
+    assert not torch.allclose(with_norm["q"], without["q"])
+    assert torch.equal(with_norm["v"], without["v"])
+    split = {**SPEC.default_config(point, gpus.INTERPRETER), "BLOCK_N": 4}
+    assert "whole heads" in SPEC.resources(split, point).unfit
+    x = inputs["x"]
+    args = (x, inputs["rms_weight"], inputs["wq"], inputs["wk"], inputs["wv"], inputs["cos"],
+            inputs["sin"])
+    kw = {"eps": 1e-6, "head_dim": 16, "interleaved": False, "q_norm": inputs["q_norm"],
+          "k_norm": inputs["k_norm"], "qk_eps": 1e-6}
+    with pytest.raises(ConfigError, match=r"BLOCK_N=4 pairs must be a multiple of "
+                                          r"head_dim/2 = 8"):
+        fusetune.qkv(*args, **kw, config=split)
+    with pytest.raises(ValueError, match="q_norm, k_norm and qk_eps come together"):
+        fusetune.qkv(*args, **{**kw, "k_norm": None})
+    with pytest.raises(ValueError, match=r"q_norm must be \[16\] \(head_dim\)"):
+        fusetune.qkv(*args, **{**kw, "q_norm": torch.ones(8)})
+    q, k, v = fusetune.qkv(*args, **kw)  # the lookup's default, through the public call
+    ref = SPEC.reference(inputs)
+    for got, name in ((q, "q"), (k, "k"), (v, "v")):
+        assert (got - ref[name]).norm() / ref[name].norm() <= 1e-4
+    assert SPEC.short_dims(qk_point(0).dim) == qk_point(0).dim
+    assert "qk_norm" not in SPEC.short_dims({**qk_point(0).dim, "qk_norm": 0})
+
+
+def test_qk_norm_points_search_export_and_serve(tmp_path: Path) -> None:
+    # The optional dim through the whole flow: --dims with qk_norm=1, a search on the
+    # interpreter, its winner exported with the dim, and the lookup serving it to a call with
+    # the norms, not to one without them.
+    from cli_helpers import run_interpreted
+
+    dims = "dim=64,head_dim=16,interleaved=0,n_heads=4,n_kv_heads=2,qk_norm=1"
+    db = f"sqlite:///{tmp_path / 'r.db'}"
+    ran = run_interpreted(tmp_path, "search", "--kernel", "qkv", "--backend", "interpreter",
+                          "--dims", dims, "--batch", "1", "--seq", "4", "--dtype", "float32",
+                          "--trials", "3", "--db", db)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    table = tmp_path / "t.yaml"
+    ran = run_interpreted(tmp_path, "export", str(table), "--db", db)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    entry = yaml.safe_load(table.read_text())["gpus"]["interpreter"]["qkv"][0]
+    assert entry["dims"]["qk_norm"] == 1
+    fusetune.load_tables(table)
+    try:
+        point = {k: int(v) for k, v in (kv.split("=") for kv in dims.split(","))}
+        res = fusetune.resolve("qkv", point, "float32", rows=4)
+        assert res.source == "exact" and res.config == entry["config"]
+        plain = {k: v for k, v in point.items() if k != "qk_norm"}
+        assert fusetune.resolve("qkv", plain, "float32", rows=4).source != "exact"
+        assert fusetune.resolve("qkv", {**plain, "qk_norm": 0}, "float32",
+                                rows=4).source != "exact"
+    finally:
+        fusetune.tables.reset()

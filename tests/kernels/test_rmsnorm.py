@@ -354,3 +354,23 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.Mon
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         fusetune.rmsnorm(x, torch.ones(64), eps=1e-6)
+
+
+@pytest.mark.parametrize("block_d", [128, 32])  # the whole row in one block; two passes
+def test_residual_epilogue(block_d: int) -> None:
+    # Gemma's norm of a block's output before its residual add: residual + norm(x)·w, added in
+    # float32, rounded once; through the tuner's check at a point keyed by the optional dim.
+    from fusetune.tuner.bench import Evaluator
+
+    spec = rmsnorm_mod.SPEC
+    point = Point.make("rmsnorm", {"dim": 96, "residual": 1}, 2, 5, "float32")
+    config = spec.canonical({"BLOCK_D": block_d, "ROWS": 2, "num_warps": 2, "num_stages": 2},
+                            point)
+    out = Evaluator(spec, point, "interpreter", "cpu").evaluate(config)
+    assert out.status == "ok" and out.rel_err is not None and out.rel_err <= 1e-5, out.reason
+    x, w, r = torch.randn(3, 96), 1 + 0.1 * torch.randn(96), torch.randn(3, 96)
+    got = fusetune.rmsnorm(x, w, eps=1e-6, residual=r)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w + r
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"residual must be x's shape \(3, 96\)"):
+        fusetune.rmsnorm(x, w, eps=1e-6, residual=r[:2])
