@@ -3,7 +3,7 @@ configs the tables hold still beat the default on this machine.
 
 The entries are those the lookup reads for this GPU (--tables first, then the shipped tables;
 an entry of one lookup key once), narrowed by --kernel, --model (the points fusetune.patch
-launches in that model), --weights and --rows. For each entry, on its own point: the entry's
+launches in those models), --weights and --rows. For each entry, on its own point: the entry's
 config and the default heuristic's are checked against the kernel's reference, then timed as
 the search times them (do_bench with the L2 flushed; CUDA-graph replays where the kernels are
 short), in interleaved rounds. Verdicts use the export's rule for `marginal`: `slower` where the
@@ -90,9 +90,11 @@ def entries(gpu: str, kernels: list[str], model: str | None, weights: str | None
     from fusetune.runtime import tuned_entries
 
     wanted: dict[str, list[tuple[tuple[str, int], ...]]] | None = None
-    if model is not None:
-        wanted = {k: [tuple(sorted(d.items())) for d in ds]
-                  for k, ds in patched_dims(load_model(model)).items()}
+    if model is not None:  # one or several, comma-separated
+        wanted = {}
+        for name in model.split(","):
+            for k, ds in patched_dims(load_model(name)).items():
+                wanted.setdefault(k, []).extend(tuple(sorted(d.items())) for d in ds)
     out: dict[tuple[Any, ...], Entry] = {}
     for kernel in kernels:
         spec = get_spec(kernel)
@@ -446,8 +448,9 @@ def main() -> int:
     ap.add_argument("--tables", help="a table file read before the shipped tables")
     ap.add_argument("--kernel", default="all",
                     help="kernels, comma-separated (default: every kernel with entries)")
-    ap.add_argument("--model", help="only the points fusetune.patch launches in this model "
-                                    "(a preset or a Hugging Face config.json)")
+    ap.add_argument("--model", help="only the points fusetune.patch launches in these models "
+                                    "(presets or Hugging Face config.json files, "
+                                    "comma-separated)")
     ap.add_argument("--weights", help="only this weight format ('' for 16-bit, fp8-e4m3, ...)")
     ap.add_argument("--rows", help="only these row counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved timing rounds")

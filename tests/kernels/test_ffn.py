@@ -500,3 +500,19 @@ def test_gelu_gate_through_the_call() -> None:
         fusetune.ffn(x, g, w1, w3, eps=1e-6, activation="gelu")
     # the point keys the activation: a silu entry never serves a gelu call
     assert SPEC.short_dims({"act": 0, "dim": 64, "hidden": 96}) == {"dim": 64, "hidden": 96}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["", "fp8-e4m3"])
+@pytest.mark.parametrize("rows", [1, 333])
+def test_gpu_gelu_gate_gemma_dims(rows: int, weights: str) -> None:
+    # Gemma-2-9B's MLP (GeGLU, tanh GELU): the default config and the unfused form on the GPU
+    from fusetune.tuner.bench import Evaluator
+
+    point = Point.make("ffn", {"act": 1, "dim": 3584, "hidden": 14336}, 1, rows, "bfloat16",
+                       weights)
+    ev = Evaluator(SPEC, point, "cuda", "cuda")
+    default = SPEC.default_config(point, gpus.resolve("h200"))
+    for config in (default, {**default, "UNFUSED": 1}):
+        out = ev.check(SPEC.canonical(config, point))
+        assert out.status == "ok", (config, out.reason)

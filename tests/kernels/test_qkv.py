@@ -604,3 +604,22 @@ def test_qk_norm_points_search_export_and_serve(tmp_path: Path) -> None:
                                 rows=4).source != "exact"
     finally:
         fusetune.tables.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["", "fp8-e4m3"])
+@pytest.mark.parametrize("rows", [1, 333])
+@pytest.mark.parametrize("dims", [
+    {"dim": 4096, "head_dim": 128, "interleaved": 0, "n_heads": 32, "n_kv_heads": 8},  # Qwen3-8B
+    {"dim": 3840, "head_dim": 256, "interleaved": 0, "n_heads": 16, "n_kv_heads": 8},  # Gemma 3
+])
+def test_gpu_qk_norm_model_dims(dims: dict[str, int], rows: int, weights: str) -> None:
+    # whole heads per tile at the models' head widths (one head: 64 or 128 pairs): the default
+    # config, one head a tile and the unfused form, through the tuner's check on the H200
+    point = Point.make("qkv", {**dims, "qk_norm": 1}, 1, rows, "bfloat16", weights)
+    ev = Evaluator(SPEC, point, "cuda", "cuda")
+    default = SPEC.default_config(point, gpus.resolve("h200"))
+    for config in (default, {**default, "UNFUSED": 1},
+                   {**default, "BLOCK_N": dims["head_dim"] // 2, "SPLIT_K": 1, "TMA": 0}):
+        out = ev.check(SPEC.canonical(config, point))
+        assert out.status == "ok", (config, out.reason)

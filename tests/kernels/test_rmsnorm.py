@@ -254,7 +254,7 @@ def test_registry() -> None:
     assert REGISTRY["rmsnorm"] is SPEC
     assert get_spec("rmsnorm") is SPEC
     with pytest.raises(ValueError,
-                       match="valid: ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, rope, "
+                       match="valid: ffn, linear, lola, moe, qkv, rmsnorm, rmsnorm_bwd, rope, "
                              "rope_bwd, swiglu"):
         get_spec("layernorm")
 
@@ -374,3 +374,15 @@ def test_residual_epilogue(block_d: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"residual must be x's shape \(3, 96\)"):
         fusetune.rmsnorm(x, w, eps=1e-6, residual=r[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4096])
+@pytest.mark.parametrize("dim", [3584, 3840])
+def test_gpu_residual_epilogue_gemma_dims(dim: int, rows: int) -> None:
+    from fusetune.tuner.bench import Evaluator
+
+    point = Point.make("rmsnorm", {"dim": dim, "residual": 1}, 1, rows, "bfloat16")
+    ev = Evaluator(SPEC, point, "cuda", "cuda")
+    out = ev.check(SPEC.canonical(SPEC.default_config(point, gpus.resolve("h200")), point))
+    assert out.status == "ok", out.reason
