@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = ["Cost", "FusetuneWarning", "KernelSpec", "NotTunedError", "Point", "Resources",
            "SelfCheckError", "TableError", "TunedKernel", "autotune", "ffn", "linear",
-           "load_tables", "lola", "lookup", "nn", "patch", "qkv", "quantize_fp8", "resolve",
+           "load_tables", "lola", "lookup", "moe", "nn", "patch", "qkv", "quantize_fp8", "resolve",
            "rmsnorm", "rmsnorm_bwd", "rope", "swiglu", "unpatch"]
 
 # The kernels' public functions are fusetune.api's: the launchers when called eagerly, their
@@ -33,6 +33,7 @@ _LAZY = {
     "qkv": ("fusetune.api", "qkv"),
     "rope": ("fusetune.api", "rope"),
     "swiglu": ("fusetune.api", "swiglu"),
+    "moe": ("fusetune.kernels.moe", "moe"),  # eager only: no custom op yet
     "quantize_fp8": ("fusetune.kernels.fp8", "quantize_fp8"),
     "load_tables": ("fusetune.tables", "load_tables"),
     "lookup": ("fusetune.tables", "lookup"),
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from fusetune.autotuned import NotTunedError, TunedKernel, autotune
     from fusetune.integrations.hf_check import SelfCheckError
     from fusetune.kernels.fp8 import quantize_fp8
+    from fusetune.kernels.moe import moe
     from fusetune.spec import Cost, KernelSpec, Point, Resources
     from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup, resolve
 

@@ -25,6 +25,9 @@ class ModelPreset:
     qk_norm: bool = False  # Qwen3's RMSNorm of each q and k head before RoPE
     mlp_act: str = "silu"  # the MLP gate's activation (fusetune.kernels.ffn.ACTIVATIONS)
     post_norms: bool = False  # Gemma: o_proj's and down_proj's outputs normalized, then added
+    experts: int = 0  # mixture of experts: the experts of a layer (0: a dense MLP)
+    top_k: int = 0  # the experts each token is routed to
+    expert_hidden: int = 0  # an expert's feed-forward width
     dtype: str = "bfloat16"  # the dtype the model ships in
 
 
@@ -53,6 +56,10 @@ PRESETS: dict[str, ModelPreset] = {
                     qk_norm=True),
         ModelPreset("phi-3-mini", dim=3072, hidden=8192, n_heads=32, n_kv_heads=32, head_dim=96,
                     norm_eps=1e-5),
+        ModelPreset("mixtral-8x7b", dim=4096, hidden=14336, n_heads=32, n_kv_heads=8,
+                    head_dim=128, norm_eps=1e-5, experts=8, top_k=2, expert_hidden=14336),
+        ModelPreset("qwen3-30b-a3b", dim=2048, hidden=6144, n_heads=32, n_kv_heads=4,
+                    head_dim=128, qk_norm=True, experts=128, top_k=8, expert_hidden=768),
         ModelPreset("gpt2", dim=768, hidden=3072, n_heads=12, n_kv_heads=12, head_dim=64,
                     dtype="float32"),
         # Small enough for Triton's CPU interpreter (the default grid without a GPU).

@@ -18,8 +18,8 @@ from fusetune.spec import KernelSpec
 ENTRY_POINT_GROUP = "fusetune.kernels"
 # fusetune's own kernels (fusetune.kernels.REGISTRY; a test keeps the two the same) and the
 # words `fusetune search --kernel` takes for groups of them: no other kernel may take these.
-BUILTIN = ("ffn", "linear", "lola", "qkv", "rmsnorm", "rmsnorm_bwd", "rope", "rope_bwd",
-           "swiglu", "swiglu_bwd")
+BUILTIN = ("ffn", "linear", "lola", "moe", "qkv", "rmsnorm", "rmsnorm_bwd", "rope",
+           "rope_bwd", "swiglu", "swiglu_bwd")
 RESERVED = ("all", "training")
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 

@@ -138,7 +138,7 @@ def test_gpu_without_dry_run_and_no_gpu(monkeypatch: pytest.MonkeyPatch, interpr
     [
         (["search", "--kernel", "layernorm", "--dry-run"],
          ["unknown kernel 'layernorm'",
-          "valid: ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, rope, rope_bwd, swiglu, "
+          "valid: ffn, linear, lola, moe, qkv, rmsnorm, rmsnorm_bwd, rope, rope_bwd, swiglu, "
           "swiglu_bwd"]),
         (["search", "--kernel", "rmsnorm", "--gpu", "v100", "--dry-run"],
          ["unknown GPU 'v100'", "rtx-3090", "h100-sxm", "h200"]),
@@ -152,10 +152,10 @@ def test_gpu_without_dry_run_and_no_gpu(monkeypatch: pytest.MonkeyPatch, interpr
          ["unknown GPU 'v100'", "h100-sxm"]),
         (["show", "--gpu", "v100", "--db", "sqlite://"], ["unknown GPU 'v100'", "h100-sxm"]),
         (["show", "--kernel", "rmsnrom", "--db", "sqlite://"],
-         ["unknown kernel 'rmsnrom'", "valid: ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, "
+         ["unknown kernel 'rmsnrom'", "valid: ffn, linear, lola, moe, qkv, rmsnorm, rmsnorm_bwd, "
           "rope, rope_bwd, swiglu, swiglu_bwd"]),
         (["export", "out.yaml", "--kernel", "rmsnrom", "--db", "sqlite://"],
-         ["unknown kernel 'rmsnrom'", "valid: ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, "
+         ["unknown kernel 'rmsnrom'", "valid: ffn, linear, lola, moe, qkv, rmsnorm, rmsnorm_bwd, "
           "rope, rope_bwd, swiglu, swiglu_bwd"]),
         (["search", "--kernel", "rmsnorm", "--gpu", "l40", "--dry-run"],
          ["unknown GPU 'l40'", "l40s (nvidia-l40s)", "rtx-5090 (5090", "b200"]),
@@ -267,7 +267,7 @@ def test_evaluate_search_takes_one_kernel() -> None:
         r = invoke("evaluate-search", "--kernel", kernel, "--no-grid", "--model", "tiny")
         assert r.exit_code == 2, r.output
         assert f"Invalid value for '--kernel': '{kernel}'" in r.output, r.output
-        assert "ffn, linear, lola, qkv, rmsnorm" in r.output, r.output
+        assert "ffn, linear, lola, moe, qkv, rmsnorm" in r.output, r.output
         assert f"fusetune search --kernel {kernel}" in r.output, r.output
 
 
@@ -335,9 +335,10 @@ def test_show_and_export_check_the_kernel_name(sqlite_url: str, tmp_path: Path) 
     for command in (["show"], ["export", str(out)]):
         r = invoke(*command, "--db", sqlite_url, "--kernel", "rmsnrom")
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), repr(r.exception)
-        assert ("unknown kernel 'rmsnrom'; valid: ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, "
-                "rope, rope_bwd, swiglu, swiglu_bwd; or package.module:name of a kernel "
-                "declared with @fusetune.autotune; or one that sqlite:///") in r.output, r.output
+        assert ("unknown kernel 'rmsnrom'; valid: ffn, linear, lola, moe, qkv, rmsnorm, "
+                "rmsnorm_bwd, rope, rope_bwd, swiglu, swiglu_bwd; or package.module:name of a "
+                "kernel declared with @fusetune.autotune; or one that sqlite:///") in r.output, \
+            r.output
         assert "holds: retired" in r.output and "fusetune search" not in r.output, r.output
         assert not out.exists()
     r = invoke("show", "--db", sqlite_url, "--kernel", "retired")

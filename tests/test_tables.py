@@ -138,7 +138,7 @@ def test_unknown_kernel_named(tmp_path: Path) -> None:
     path = write(tmp_path / "k.yaml", doc({"h100-sxm": [entry()]}, kernel="layernorm"))
     with pytest.raises(fusetune.TableError,
                        match=r"gpus\.h100-sxm\.layernorm: unknown kernel 'layernorm'; valid: "
-                             r"ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, rope"):
+                             r"ffn, linear, lola, moe, qkv, rmsnorm, rmsnorm_bwd, rope"):
         fusetune.load_tables(path)
 
 

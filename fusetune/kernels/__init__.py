@@ -6,6 +6,7 @@ from fusetune import registry
 from fusetune.kernels import ffn as _ffn
 from fusetune.kernels import linear as _linear
 from fusetune.kernels import lola as _lola
+from fusetune.kernels import moe as _moe
 from fusetune.kernels import qkv as _qkv
 from fusetune.kernels import rmsnorm as _rmsnorm
 from fusetune.kernels import rmsnorm_bwd as _rmsnorm_bwd
@@ -26,6 +27,7 @@ REGISTRY: dict[str, KernelSpec] = {
     _rope_bwd.SPEC.name: _rope_bwd.SPEC,
     _swiglu.SPEC.name: _swiglu.SPEC,
     _swiglu_bwd.SPEC.name: _swiglu_bwd.SPEC,
+    _moe.SPEC.name: _moe.SPEC,
 }
 
 

@@ -1,0 +1,330 @@
+"""The experts of a mixture-of-experts layer, fused into two launches:
+
+    out = moe(x, gate_up, down, topk_ids, topk_weights)
+
+x [tokens, dim]; gate_up [experts, 2·hidden, dim] (each expert's gate rows, then its up rows:
+transformers' fused experts layout); down [experts, dim, hidden]; topk_ids and topk_weights
+[tokens, top_k]: the router's choice and weights, the caller's (the model's own softmax,
+top-k and normalization). out[t] = Σ_j w[t, j] · down[e] · (silu(gate[e]·x[t]) ⊙ up[e]·x[t])
+with e = topk_ids[t, j].
+
+The (token, expert) pairs are grouped by expert first (`group_pairs`: torch ops on the device,
+no synchronization, so the call can be captured in a CUDA graph): each expert's pairs padded
+to a whole number of BLOCK_M rows, and every block of BLOCK_M rows tagged with its expert (or
+none: the padding blocks past the last expert's). Launch 1, per (row block, BLOCK_N columns of
+hidden): the gathered rows of x times the expert's gate and up rows, h = silu(a) · b in float32,
+written to the pairs' rows of an intermediate [pairs, hidden]. Launch 2, per (row block,
+BLOCK_N columns of dim): those rows times the expert's down rows, times the pair's routing
+weight, written to the pair's row of [pairs, dim] in float32; the top_k rows of a token are then
+added up (torch) and rounded once to x's dtype. An expert no token chose costs nothing; at
+decode most experts are idle and the row blocks are mostly padding (BLOCK_M 16: the tensor
+cores' smallest tile), at prefill the blocks are full.
+
+Tunables (search_spaces/moe.yaml): BLOCK_M (the grouping's rows per block), BLOCK_N, BLOCK_K,
+num_warps, num_stages, shared by the two launches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from fusetune.gpus import GpuSpec
+from fusetune.kernels._direct import direct
+from fusetune.kernels._matmul import dot
+from fusetune.models import ModelError, ModelPreset
+from fusetune.spec import (
+    DTYPE_BYTES,
+    Config,
+    Cost,
+    KernelSpec,
+    Point,
+    Resources,
+    Tensors,
+    cdiv,
+    check_device,
+    check_no_grad,
+    dtype_name,
+    interpreting,
+    torch_dtype,
+)
+
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+@triton.jit
+def _experts_kernel(
+    A,  # *[rows, K] the launch's input rows: x (launch 1: a row per token) or the intermediate
+    # (launch 2: a row per pair), unit column stride
+    W,  # *[E, N_W, K] the experts' weights (nn.Linear layout per expert), unit column stride
+    OUT,  # *[pairs, N] output rows, one per pair, unit column stride
+    PAIRS,  # *[blocks·BLOCK_M] int32: the pair in each grouped row (>= n_pairs: padding)
+    BLOCK_EXPERT,  # *[blocks] int32: each row block's expert (>= E: no expert, skipped)
+    RW,  # *[pairs] the pairs' routing weights (SCALE_ROWS)
+    n_pairs, N, K, E,
+    stride_am, stride_we, stride_wn, stride_om,
+    TOP_K: tl.constexpr,  # launch 1: a pair's row of x is token = pair // TOP_K
+    GATED: tl.constexpr,  # launch 1: two products (the gate's rows n, the up's rows N + n)
+    SCALE_ROWS: tl.constexpr,  # launch 2: each row times its pair's routing weight
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,  # float32 inputs: exact float32 products instead of tf32
+    INTERPRETED: tl.constexpr,  # Triton's CPU interpreter runs the kernel (_matmul.dot)
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(BLOCK_EXPERT + pid_m)
+    if e < E:  # padding blocks past the last expert's do nothing
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(PAIRS + rm)
+        row_ok = pair < n_pairs  # the padding rows of an expert's last block read 0
+        if GATED:  # noqa: SIM108  (a Triton constexpr branch)
+            a_row = pair // TOP_K  # the token: launch 1 reads x
+        else:
+            a_row = pair  # launch 2 reads the intermediate row of the pair
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        rk = tl.arange(0, BLOCK_K)
+        # The expert's weight rows rn (and N + rn), read transposed as [BLOCK_K, BLOCK_N].
+        w_base = W + e.to(tl.int64) * stride_we
+        a_ptrs = A + a_row[:, None].to(tl.int64) * stride_am + rk[None, :]
+        w_ptrs = w_base + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = rk < K - k0  # the last K-step may be partial: masked lanes read 0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = dot(a, w, acc, IEEE, INTERPRETED)
+            if GATED:
+                w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :],
+                               other=0.0)
+                acc_up = dot(a, w_up, acc_up, IEEE, INTERPRETED)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) · up, float32
+        if SCALE_ROWS:
+            acc = acc * tl.load(RW + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        o_ptrs = OUT + pair[:, None].to(tl.int64) * stride_om + rn[None, :]
+        tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def group_pairs(topk_ids: torch.Tensor, experts: int, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs (pair p = token · top_k + j, expert topk_ids.flat[p]) grouped
+    by expert: (pairs [blocks · block_m] int32, each expert's pairs in token order from a
+    block boundary, the rest of its last block n_pairs; block_expert [blocks] int32, each
+    block's expert, `experts` for the blocks past the last expert's). The number of blocks is
+    the most the pairs can need (no synchronization with the device)."""
+    flat = topk_ids.reshape(-1)
+    n = flat.numel()
+    device = flat.device
+    blocks = cdiv(n, block_m) + experts  # each expert wastes less than one block
+    counts = torch.bincount(flat, minlength=experts)[:experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    expert_of, order = torch.sort(flat, stable=True)
+    rank = torch.arange(n, device=device) - start[expert_of]
+    pairs = torch.full((blocks * block_m,), n, dtype=torch.int32, device=device)
+    pairs[pad_start[expert_of] + rank] = order.to(torch.int32)
+    block_start = torch.arange(blocks, device=device) * block_m
+    block_expert = torch.searchsorted(pad_end, block_start, right=True).to(torch.int32)
+    return pairs, block_expert
+
+
+def _launch_2d(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
+               config: Config) -> None:
+    """x [T, D], gate_up [E, 2H, D], down [E, D, H] (unit column strides), topk_ids and
+    topk_weights [T, k] (contiguous), out [T, D], with exactly `config`."""
+    t, d = x.shape
+    if t == 0:
+        return
+    e, h2, _ = gate_up.shape
+    h, k = h2 // 2, topk_ids.shape[1]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    pairs, block_expert = group_pairs(topk_ids, e, bm)
+    n_pairs = t * k
+    inter = torch.empty((n_pairs, h), dtype=x.dtype, device=x.device)
+    per_pair = torch.empty((n_pairs, d), dtype=torch.float32, device=x.device)
+    blocks = block_expert.numel()
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=x.dtype == torch.float32,
+                INTERPRETED=interpreting(), num_warps=config["num_warps"],
+                num_stages=config["num_stages"])
+    direct(_experts_kernel)[(blocks, cdiv(h, bn))](
+        x, gate_up, inter, pairs, block_expert, topk_weights, n_pairs, h, d, e,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
+        TOP_K=k, GATED=True, SCALE_ROWS=False, **meta)
+    direct(_experts_kernel)[(blocks, cdiv(d, bn))](
+        inter, down, per_pair, pairs, block_expert, topk_weights, n_pairs, d, h, e,
+        inter.stride(0), down.stride(0), down.stride(1), per_pair.stride(0),
+        TOP_K=k, GATED=False, SCALE_ROWS=True, **meta)
+    out.copy_(per_pair.view(t, k, d).sum(dim=1))  # a token's top_k rows, rounded once
+
+
+def moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    config: Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """The experts' part of a mixture-of-experts layer (see the module docstring): x [tokens,
+    dim] (or [..., dim]), gate_up [experts, 2·hidden, dim], down [experts, dim, hidden], in
+    x's dtype; topk_ids [tokens, top_k] (integers < experts) and topk_weights [tokens, top_k]
+    from the caller's router. Returns [..., dim] in x's dtype. The config (BLOCK_M, BLOCK_N,
+    BLOCK_K, num_warps, num_stages) comes from the lookup tables unless `config` is given; no
+    config changes the numerics."""
+    if x.ndim < 1:
+        raise ValueError("moe: x must have at least one dimension")
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    t = x2.shape[0]
+    if gate_up.ndim != 3 or gate_up.shape[2] != d or gate_up.shape[1] % 2:
+        raise ValueError(f"moe: gate_up must be [experts, 2·hidden, {d}], got "
+                         f"{tuple(gate_up.shape)}")
+    e, h = gate_up.shape[0], gate_up.shape[1] // 2
+    if down.shape != (e, d, h):
+        raise ValueError(f"moe: down must be [{e}, {d}, {h}] (experts, dim, hidden), got "
+                         f"{tuple(down.shape)}")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"moe: topk_ids and topk_weights must both be [{t}, top_k] (a row per "
+                         f"token), got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"moe: topk_ids must be integers, got {topk_ids.dtype}")
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"moe: {name} must be in x's dtype {x.dtype} on {x.device}, got "
+                             f"{w.dtype} on {w.device}")
+    check_device(x, "moe")
+    check_no_grad("moe", x, gate_up, down, topk_weights)
+    dtype = dtype_name(x.dtype)
+    top_k = topk_ids.shape[1]
+    if config is None:
+        from fusetune.runtime import cached_config
+
+        dims = (("dim", d), ("experts", e), ("hidden", h), ("top_k", top_k))
+        cfg = cached_config(SPEC, dims, dtype, t, "", x.device)
+    else:
+        cfg = SPEC.validate_config(config)
+    out = torch.empty((t, d), dtype=x.dtype, device=x.device)
+    w = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    w2 = down if down.stride(-1) == 1 else down.contiguous()
+    _launch_2d(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, w2,
+               topk_ids.to(torch.int64).contiguous(), topk_weights.contiguous(), out, cfg)
+    return out.view(x.shape)
+
+
+# ---- what the tuner needs -------------------------------------------------------------------
+
+
+def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
+    dm = point.dim
+    d, e, h, k = dm["dim"], dm["experts"], dm["hidden"], dm["top_k"]
+    dtype = torch_dtype(point.dtype)
+    t = point.rows
+    x = torch.randn(t, d, device=device)
+    # the router as Mixtral's: softmax over the experts, top-k, the k weights renormalized
+    logits = torch.randn(t, e, device=device)
+    weights, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    gate_up = torch.randn(e, 2 * h, d, device=device) / d**0.5
+    down = torch.randn(e, d, h, device=device) / h**0.5
+    return {"x": x.to(dtype), "gate_up": gate_up.to(dtype), "down": down.to(dtype),
+            "topk_ids": ids, "topk_weights": weights.to(dtype)}
+
+
+def _make_outputs(inputs: Tensors) -> Tensors:
+    return {"out": torch.empty_like(inputs["x"])}
+
+
+def _reference(inputs: Tensors) -> Tensors:
+    """A plain loop over the experts, in float32 (transformers' own experts loop)."""
+    x = inputs["x"].float()
+    gate_up, down = inputs["gate_up"].float(), inputs["down"].float()
+    ids, weights = inputs["topk_ids"], inputs["topk_weights"].float()
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        token, j = torch.where(ids == e)
+        if token.numel() == 0:
+            continue
+        g, u = (x[token] @ gate_up[e].T).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(g) * u) @ down[e].T
+        out.index_add_(0, token, y * weights[token, j, None])
+    return {"out": out}
+
+
+def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
+    _launch_2d(inputs["x"], inputs["gate_up"], inputs["down"], inputs["topk_ids"],
+               inputs["topk_weights"], outputs["out"], config)
+
+
+def _default_config(point: Point, gpu: GpuSpec) -> Config:
+    # Rows per expert block: few tokens reach an expert at decode (the smallest tensor-core
+    # tile), many at prefill.
+    pairs_per_expert = point.rows * point.dim["top_k"] / max(1, point.dim["experts"])
+    bm = 16 if pairs_per_expert <= 16 else 32 if pairs_per_expert <= 64 else 64
+    c = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+    while c["num_stages"] > 1 and _resources(c, point).smem_bytes > gpu.smem_per_block:
+        c["num_stages"] -= 1
+    return c
+
+
+def _canonical(config: Config, point: Point) -> Config:
+    return dict(config)
+
+
+def _resources(config: Config, point: Point) -> Resources:
+    elt = DTYPE_BYTES[point.dtype]
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    threads = 32 * config["num_warps"]
+    # launch 1's two weight tiles and two accumulators (the larger of the two launches)
+    smem = max(1, config["num_stages"] - 1) * (bm * bk + 2 * bk * bn) * elt
+    regs = 2 * bm * bn // threads + (bm * bk + 2 * bk * bn) // threads + 40
+    return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads)
+
+
+def _cost(point: Point) -> Cost:
+    dm = point.dim
+    d, e, h, k = dm["dim"], dm["experts"], dm["hidden"], dm["top_k"]
+    t = point.rows
+    elt = DTYPE_BYTES[point.dtype]
+    used = min(e, t * k)  # the experts the pairs can reach: their weights are read
+    bytes_ = used * 3 * h * d * elt + t * d * elt * 2 + t * k * (h * elt + d * 4)
+    return Cost(bytes=bytes_, flops=2 * t * k * 3 * h * d)
+
+
+def _dims_from_model(model: ModelPreset) -> dict[str, int]:
+    if not model.experts:
+        raise ModelError(f"{model.name} is not a mixture-of-experts model: moe has no points in "
+                         "it (mixtral-8x7b and qwen3-30b-a3b are)")
+    return {"dim": model.dim, "experts": model.experts, "hidden": model.expert_hidden,
+            "top_k": model.top_k}
+
+
+SPEC = KernelSpec(
+    name="moe",
+    description="mixture-of-experts experts: grouped gate/up + SiLU·mul, then down, weighted",
+    dim_names=("dim", "experts", "hidden", "top_k"),
+    config_keys=CONFIG_KEYS,
+    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"),
+    make_inputs=_make_inputs,
+    make_outputs=_make_outputs,
+    reference=_reference,
+    launch=_launch,
+    default_config=_default_config,
+    resources=_resources,
+    cost=_cost,
+    canonical=_canonical,
+    dims_from_model=_dims_from_model,
+    source_objects=(_experts_kernel, group_pairs, _launch_2d, dot),
+)

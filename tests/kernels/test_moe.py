@@ -1,0 +1,97 @@
+"""fusetune.moe (grouped experts: gate/up + SiLU·mul, then down, weighted, summed over top-k)
+against a plain torch loop over the experts (interpreter on CPU), at awkward shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusetune
+from fusetune import gpus
+from fusetune.kernels import moe as moe_mod
+from fusetune.spec import Point
+from fusetune.tuner.bench import Evaluator
+
+SPEC = moe_mod.SPEC
+CONFIGS = {
+    "decode tile": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2,
+                    "num_stages": 2},
+    "prefill tile": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4,
+                     "num_stages": 3},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (37, 8, 2), (5, 16, 4)])
+def test_configs_pass_the_tuners_check(tokens: int, experts: int, top_k: int,
+                                       name: str) -> None:
+    # dims not multiples of the tiles (K = 72 in launch 1, 40 in launch 2; N = 40 and 72);
+    # one token, most experts idle; 37 tokens: no expert's rows a whole number of blocks
+    point = Point.make("moe", {"dim": 72, "experts": experts, "hidden": 40, "top_k": top_k},
+                       1, tokens, "float32")
+    out = Evaluator(SPEC, point, "interpreter", "cpu").evaluate(CONFIGS[name])
+    assert out.status == "ok", out.reason
+    assert out.rel_err is not None and out.rel_err <= 1e-5
+
+
+def test_awkward_routing() -> None:
+    # an expert no token chose, one token routed to every expert of its top-k, repeated
+    # experts across tokens, bfloat16
+    torch.manual_seed(0)
+    t, d, h, e = 6, 64, 48, 5
+    x = torch.randn(t, d).bfloat16()
+    gate_up = (torch.randn(e, 2 * h, d) / 8).bfloat16()
+    down = (torch.randn(e, d, h) / 7).bfloat16()
+    ids = torch.tensor([[0, 1], [0, 1], [1, 3], [3, 0], [1, 0], [4, 3]])  # expert 2 idle
+    w = torch.rand(t, 2)
+    w = (w / w.sum(-1, keepdim=True)).bfloat16()
+    inputs = {"x": x, "gate_up": gate_up, "down": down, "topk_ids": ids, "topk_weights": w}
+    want = moe_mod._reference(inputs)["out"]
+    got = fusetune.moe(x, gate_up, down, ids, w, config=CONFIGS["decode tile"])
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).norm() / want.norm()).item() <= 1.6e-2
+    pairs, block_expert = moe_mod.group_pairs(ids, e, 4)
+    # 4 pairs of experts 0 and 1, 3 of 3, 1 of 4: a block of 4 rows each; the rest padding
+    assert block_expert.tolist() == [0, 1, 3, 4] + [e] * (len(block_expert) - 4)
+    assert sorted(p for p in pairs.tolist() if p < t * 2) == list(range(t * 2))
+
+
+def test_bad_inputs() -> None:
+    x, gu, dn = torch.randn(3, 8), torch.randn(2, 12, 8), torch.randn(2, 8, 6)
+    ids, w = torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1)
+    with pytest.raises(ValueError, match=r"down must be \[2, 8, 6\]"):
+        fusetune.moe(x, gu, dn.transpose(1, 2), ids, w)
+    with pytest.raises(ValueError, match=r"topk_ids and topk_weights must both be \[3, top_k\]"):
+        fusetune.moe(x, gu, dn, ids[:2], w[:2])
+    with pytest.raises(TypeError, match="topk_ids must be integers"):
+        fusetune.moe(x, gu, dn, w, w)
+
+
+def test_default_configs_fit_the_gpus() -> None:
+    for gpu in ("h100", "h200", "3090"):
+        for rows in (1, 8, 256, 4096):
+            point = Point.make("moe", {"dim": 4096, "experts": 8, "hidden": 14336, "top_k": 2},
+                               1, rows, "bfloat16")
+            res = SPEC.resources(SPEC.default_config(point, gpus.resolve(gpu)), point)
+            assert res.smem_bytes <= gpus.resolve(gpu).smem_per_block
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("dims", "tokens"), [
+    ({"dim": 4096, "experts": 8, "hidden": 14336, "top_k": 2}, 1),  # Mixtral-8x7B, decode
+    ({"dim": 4096, "experts": 8, "hidden": 14336, "top_k": 2}, 333),
+    ({"dim": 2048, "experts": 128, "hidden": 768, "top_k": 8}, 8),  # Qwen3-30B-A3B
+    ({"dim": 2048, "experts": 128, "hidden": 768, "top_k": 8}, 1000),
+])
+def test_gpu_real_dims(dims: dict[str, int], tokens: int, dtype: str) -> None:
+    # each tile and the default heuristic's config at the models' dims, the tuner's check
+    # (output against the float32 reference, the dtype's tolerance)
+    point = Point.make("moe", dims, 1, tokens, dtype)
+    ev = Evaluator(SPEC, point, "cuda", "cuda")
+    configs = [*CONFIGS.values(), {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
+                                   "num_warps": 8, "num_stages": 4},
+               SPEC.default_config(point, gpus.resolve("h200"))]
+    for config in configs:
+        out = ev.check(config)
+        assert out.status == "ok", (config, out.reason)
