@@ -73,7 +73,9 @@ def grouped_mm(inputs: dict[str, Any]) -> Any:
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k
-        offs = torch.bincount(flat, minlength=gu.shape[0]).cumsum(0).to(torch.int32)
+        counts = torch.zeros(gu.shape[0], dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # (bincount waits for the device)
+        offs = counts.cumsum(0).to(torch.int32)
         ab = torch._grouped_mm(x[token], gu.transpose(1, 2), offs=offs)
         a, b = ab.chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(a) * b, dn.transpose(1, 2), offs=offs)

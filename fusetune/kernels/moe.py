@@ -8,8 +8,8 @@ transformers' fused experts layout); down [experts, dim, hidden]; topk_ids and t
 top-k and normalization). out[t] = Σ_j w[t, j] · down[e] · (silu(gate[e]·x[t]) ⊙ up[e]·x[t])
 with e = topk_ids[t, j].
 
-The (token, expert) pairs are grouped by expert first (`group_pairs`: torch ops on the device,
-no synchronization, so the call can be captured in a CUDA graph): each expert's pairs padded
+The (token, expert) pairs are grouped by expert first (`group_pairs`: two small launches, no
+synchronization, so the call can be captured in a CUDA graph): each expert's pairs padded
 to a whole number of BLOCK_M rows, and every block of BLOCK_M rows tagged with its expert (or
 none: the padding blocks past the last expert's). Launch 1, per (row block, BLOCK_N columns of
 hidden): the gathered rows of x times the expert's gate and up rows, h = silu(a) · b in float32,
@@ -114,28 +114,76 @@ def _experts_kernel(
         tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def group_pairs(topk_ids: torch.Tensor, experts: int, block_m: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _rank_kernel(IDS, COUNTS, RANK, n, E, BLOCK: tl.constexpr):
+    # Each pair's place among its expert's pairs, in whatever order the atomics run: a row's
+    # result does not depend on the other rows of its block, so the order changes no bit.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(IDS + offs, mask=offs < n, other=0).to(tl.int32)
+    ok = (offs < n) & (e >= 0) & (e < E)  # an id outside the experts is placed nowhere
+    rank = tl.atomic_add(COUNTS + e, 1, mask=ok)
+    tl.store(RANK + offs, rank, mask=ok)
+
+
+@triton.jit
+def _place_kernel(IDS, COUNTS, RANK, PAIRS, BLOCK_EXPERT, PER_PAIR, n, E, n_blocks, D,
+                  stride_pp, BLOCK_M: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    ex = tl.arange(0, E_P2)
+    count = tl.load(COUNTS + ex, mask=ex < E, other=0)
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # each expert's rows: whole blocks
+    pad_end = tl.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(IDS + offs, mask=offs < n, other=0).to(tl.int32)
+    ok = (offs < n) & (e >= 0) & (e < E)
+    rank = tl.load(RANK + offs, mask=ok, other=0)
+    # the start of each pair's expert: pad_start[e], picked out of the registers by a compare
+    start = tl.sum(tl.where(e[:, None] == ex[None, :], pad_start[None, :], 0), axis=1)
+    tl.store(PAIRS + start + rank, offs.to(tl.int32), mask=ok)
+    # A pair whose id names no expert: its row of the per-pair output is NaN (no launch writes
+    # it), so the token's output is NaN rather than a sum that silently left an expert out.
+    bad = (offs < n) & ((e < 0) | (e >= E))
+    for d0 in range(0, D, BLOCK_D):
+        rd = d0 + tl.arange(0, BLOCK_D)
+        tl.store(PER_PAIR + offs[:, None].to(tl.int64) * stride_pp + rd[None, :],
+                 tl.full([BLOCK, BLOCK_D], float("nan"), tl.float32),
+                 mask=bad[:, None] & (rd[None, :] < D))
+    # Block b's expert: how many experts' padded rows end at or before its first row (E or
+    # more: a block past the last expert's, skipped by the launches).
+    b = pid * BLOCK + tl.arange(0, BLOCK)
+    be = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    tl.store(BLOCK_EXPERT + b, be, mask=b < n_blocks)
+
+
+def group_pairs(topk_ids: torch.Tensor, experts: int, block_m: int,
+                per_pair: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (token, expert) pairs (pair p = token · top_k + j, expert topk_ids.flat[p]) grouped
-    by expert: (pairs [blocks · block_m] int32, each expert's pairs in token order from a
-    block boundary, the rest of its last block n_pairs; block_expert [blocks] int32, each
-    block's expert, `experts` for the blocks past the last expert's). The number of blocks is
-    the most the pairs can need (no synchronization with the device)."""
+    by expert: (pairs [blocks · block_m] int32, each expert's pairs from a block boundary, in
+    any order, the rest of its last block n_pairs; block_expert [blocks] int32, each block's
+    expert, `experts` or more for the blocks past the last expert's). Two launches and no
+    synchronization with the device (the call can be captured in a CUDA graph): the number
+    of blocks is the most the pairs can need. A pair whose id is outside [0, experts) is in
+    no block; its row of `per_pair` [n_pairs, D] float32 (where given) is set to NaN."""
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     device = flat.device
     blocks = cdiv(n, block_m) + experts  # each expert wastes less than one block
-    counts = torch.bincount(flat, minlength=experts)[:experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = torch.cumsum(padded, 0)
-    pad_start = pad_end - padded
-    start = torch.cumsum(counts, 0) - counts
-    expert_of, order = torch.sort(flat, stable=True)
-    rank = torch.arange(n, device=device) - start[expert_of]
+    counts = torch.zeros(experts, dtype=torch.int32, device=device)
+    rank = torch.empty(n, dtype=torch.int32, device=device)
     pairs = torch.full((blocks * block_m,), n, dtype=torch.int32, device=device)
-    pairs[pad_start[expert_of] + rank] = order.to(torch.int32)
-    block_start = torch.arange(blocks, device=device) * block_m
-    block_expert = torch.searchsorted(pad_end, block_start, right=True).to(torch.int32)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    e_p2 = triton.next_power_of_2(experts)
+    block = max(16, min(1024, 8192 // e_p2))  # the [block, experts] compares stay small
+    direct(_rank_kernel)[(cdiv(n, block),)](flat, counts, rank, n, experts, BLOCK=block,
+                                            num_warps=4)
+    pp = pairs if per_pair is None else per_pair  # (not written where no pair is bad)
+    direct(_place_kernel)[(cdiv(max(n, blocks), block),)](
+        flat, counts, rank, pairs, block_expert, pp, n, experts, blocks,
+        0 if per_pair is None else per_pair.shape[1],
+        0 if per_pair is None else per_pair.stride(0),
+        BLOCK_M=block_m, E_P2=e_p2, BLOCK=block, BLOCK_D=64, num_warps=4)
     return pairs, block_expert
 
 
@@ -150,10 +198,10 @@ def _launch_2d(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     e, h2, _ = gate_up.shape
     h, k = h2 // 2, topk_ids.shape[1]
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    pairs, block_expert = group_pairs(topk_ids, e, bm)
     n_pairs = t * k
     inter = torch.empty((n_pairs, h), dtype=x.dtype, device=x.device)
     per_pair = torch.empty((n_pairs, d), dtype=torch.float32, device=x.device)
+    pairs, block_expert = group_pairs(topk_ids, e, bm, per_pair)
     blocks = block_expert.numel()
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=x.dtype == torch.float32,
                 INTERPRETED=interpreting(), num_warps=config["num_warps"],
@@ -180,10 +228,11 @@ def moe(
 ) -> torch.Tensor:
     """The experts' part of a mixture-of-experts layer (see the module docstring): x [tokens,
     dim] (or [..., dim]), gate_up [experts, 2·hidden, dim], down [experts, dim, hidden], in
-    x's dtype; topk_ids [tokens, top_k] (integers < experts) and topk_weights [tokens, top_k]
-    from the caller's router. Returns [..., dim] in x's dtype. The config (BLOCK_M, BLOCK_N,
-    BLOCK_K, num_warps, num_stages) comes from the lookup tables unless `config` is given; no
-    config changes the numerics."""
+    x's dtype; topk_ids [tokens, top_k] (integers in [0, experts): a token with an id outside
+    gets NaN, as no check can stop the call without waiting for the device) and topk_weights
+    [tokens, top_k] from the caller's router. Returns [..., dim] in x's dtype. The config
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) comes from the lookup tables unless
+    `config` is given; no config changes the numerics."""
     if x.ndim < 1:
         raise ValueError("moe: x must have at least one dimension")
     d = x.shape[-1]
@@ -326,5 +375,5 @@ SPEC = KernelSpec(
     cost=_cost,
     canonical=_canonical,
     dims_from_model=_dims_from_model,
-    source_objects=(_experts_kernel, group_pairs, _launch_2d, dot),
+    source_objects=(_experts_kernel, _rank_kernel, _place_kernel, group_pairs, _launch_2d, dot),
 )
