@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 import fusetune
 from benchmarks.timing import BW_TBS, heading, parser, report, run, start
+from fusetune.kernels import fp8
 from fusetune.kernels.moe import SPEC, _reference
 from fusetune.models import preset
-from fusetune.spec import DTYPE_BYTES, Point
+from fusetune.spec import Point, torch_dtype
 
 IMPLS = ("tuned", "default", "hf-eager", "hf-batched_mm", "hf-grouped_mm", "grouped_mm")
 
@@ -85,26 +86,34 @@ def grouped_mm(inputs: dict[str, Any]) -> Any:
     return run_
 
 
-def make_case(rows: int, dims: dict[str, int], dtype: str, gpu: Any) -> dict[str, Any]:
-    point = Point.make("moe", dims, 1, rows, dtype)
+def make_case(rows: int, dims: dict[str, int], dtype: str, weights: str,
+              gpu: Any) -> dict[str, Any]:
+    point = Point.make("moe", dims, 1, rows, dtype, weights)
     torch.manual_seed(0)
     inputs = SPEC.make_inputs(point, "cuda")
-    tuned_cfg = fusetune.lookup("moe", dims, dtype, rows=rows)
+    tuned_cfg = fusetune.lookup("moe", dims, dtype, rows=rows, weights=weights)
     default_cfg = SPEC.canonical(SPEC.default_config(point, gpu), point)
     ref = _reference(inputs)["out"]
 
     def fused(config: dict[str, int] | None = None) -> torch.Tensor:
         return fusetune.moe(inputs["x"], inputs["gate_up"], inputs["down"], inputs["topk_ids"],
-                            inputs["topk_weights"], config=config)
+                            inputs["topk_weights"], gate_up_scale=inputs["gate_up_scale"],
+                            down_scale=inputs["down_scale"], config=config)
+
+    base = inputs  # what the baselines take: 16-bit weights, the dequantized ones
+    if weights:
+        base = {**inputs, **{name: fp8.spec_dequantized(inputs, name).to(torch_dtype(dtype))
+                             for name in ("gate_up", "down")}}
 
     err = float((fused().float() - ref).norm() / ref.norm())
     assert err < SPEC.tolerance[dtype], f"moe wrong: rel err {err}"
     used = int(inputs["topk_ids"].unique().numel())
-    elt = DTYPE_BYTES[dtype]
+    elt = fp8.operand_bytes(point)[1]
     weight_bytes = used * 3 * dims["hidden"] * dims["dim"] * elt
-    fns = {"tuned": fused, "default": lambda: fused(default_cfg), **hf_experts(inputs),
-           "grouped_mm": grouped_mm(inputs)}
-    return {"label": f"T={rows} ({used} experts used)", "dtype": dtype, "fns": fns,
+    fns = {"tuned": fused, "default": lambda: fused(default_cfg), **hf_experts(base),
+           "grouped_mm": grouped_mm(base)}
+    return {"label": f"T={rows} ({used} experts used)", "dtype": dtype + (
+                f", {weights}" if weights else ""), "fns": fns,
             "tuned_cfg": tuned_cfg, "default_cfg": default_cfg, "rel_err": err,
             "weight_bytes": weight_bytes}
 
@@ -114,12 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="mixtral-8x7b")
     ap.add_argument("--rows", default="1,8,4096", help="tokens, comma-separated")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--weights", default="", help="fp8-e4m3 or fp8-e5m2: fusetune.moe's weights "
+                    "(the baselines run the dequantized 16-bit ones); default: 16-bit")
     args = ap.parse_args(argv)
     gpu = start(args)
     if gpu is None:
         return 2
     dims = SPEC.dims_from_model(preset(args.model))
-    cases = [make_case(int(m), dims, dt, gpu)
+    cases = [make_case(int(m), dims, dt, args.weights, gpu)
              for dt in args.dtype.split(",") for m in args.rows.split(",")]
     medians, host = run(args, cases)
     impls = args.impls.split(",")

@@ -78,19 +78,20 @@ def weights_key(dtype: torch.dtype) -> str:
 def quantize_fp8(weight: torch.Tensor, fmt: str = "e4m3", *, per_channel: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Wq, scale): `weight` [out_features, in_features] in FP8 with one float32 scale per
-    output channel, weight ≈ scale[:, None] · Wq.
+    output channel, weight ≈ scale[:, None] · Wq; or a mixture of experts' [experts,
+    out_features, in_features] with scales [experts, out_features] (fusetune.moe).
 
     Each channel's scale maps its largest |w| onto the format's largest value (448 for e4m3,
     57344 for e5m2), so nothing saturates; all-zero channels get scale 1. Values are rounded to
     nearest, ties to even. `per_channel=False` chooses one scale for the whole tensor (returned
     repeated per channel, so that it goes where the per-channel scales go). Quantize a model's
-    weights once and pass (Wq, scale) to fusetune.ffn / qkv / lola on every call.
+    weights once and pass (Wq, scale) to fusetune.ffn / qkv / lola / moe on every call.
     """
     if fmt not in FORMATS:
         raise ValueError(f"quantize_fp8: unknown fmt {fmt!r}; valid: {', '.join(FORMATS)}")
-    if weight.ndim != 2:
-        raise ValueError(f"quantize_fp8: weight must be [out_features, in_features], got shape "
-                         f"{tuple(weight.shape)}")
+    if weight.ndim not in (2, 3):
+        raise ValueError(f"quantize_fp8: weight must be [out_features, in_features] or [experts, "
+                         f"out_features, in_features], got shape {tuple(weight.shape)}")
     if not weight.is_floating_point():
         raise TypeError(f"quantize_fp8: weight is {weight.dtype}; expected a floating-point "
                         "tensor")
@@ -98,13 +99,14 @@ def quantize_fp8(weight: torch.Tensor, fmt: str = "e4m3", *, per_channel: bool =
     if weight.numel() and not torch.isfinite(w).all():
         raise ValueError("quantize_fp8: weight has non-finite values (inf or nan)")
     top = FP8_MAX[fmt]
+    channels = weight.shape[:-1]
     if per_channel:
-        amax = w.abs().amax(dim=1) if weight.shape[1] else w.new_zeros(weight.shape[0])
+        amax = w.abs().amax(dim=-1) if weight.shape[-1] else w.new_zeros(channels)
     else:
-        amax = (w.abs().amax() if weight.numel() else w.new_zeros(())).expand(weight.shape[0])
+        amax = (w.abs().amax() if weight.numel() else w.new_zeros(())).expand(channels)
     scale = torch.where(amax > 0, amax / top, torch.ones_like(amax)).contiguous()
     # The clamp only absorbs the last bit of rounding in w / scale at each channel's max.
-    wq = (w / scale[:, None]).clamp(-top, top).to(FORMATS[fmt])
+    wq = (w / scale[..., None]).clamp(-top, top).to(FORMATS[fmt])
     return wq, scale
 
 
@@ -112,7 +114,7 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """The float32 weights the kernels multiply by: Wq · scale per output channel (scale None:
     1)."""
     wf = w.float()
-    return wf if scale is None else wf * scale.float()[:, None]
+    return wf if scale is None else wf * scale.float()[..., None]
 
 
 def quantize_rows(xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,8 +156,9 @@ def weight_operand(w: torch.Tensor, fp8_activations: bool, gemv: bool = False
 
 def check_weights(kernel: str, x: torch.Tensor, weights: dict[str, torch.Tensor],
                   scales: dict[str, torch.Tensor | None]) -> str:
-    """Checks the weights' dtypes (one for all, x's or an FP8 type) and the scales (float32
-    [out_features] on x's device, FP8 weights only); returns the weights' Point.weights."""
+    """Checks the weights' dtypes (one for all, x's or an FP8 type) and the scales (float32, one
+    per output channel: the weight's shape but its last dim; on x's device, FP8 weights only);
+    returns the weights' Point.weights."""
     if (all(w.dtype == x.dtype for w in weights.values())
             and all(s is None for s in scales.values())):
         return ""  # the common case, decided without the checks below (a launcher's every call)
@@ -175,9 +178,9 @@ def check_weights(kernel: str, x: torch.Tensor, weights: dict[str, torch.Tensor]
         if not key:
             raise TypeError(f"{kernel}: {sname} is for FP8 weights; {name} is {w.dtype} (pass "
                             f"{sname}=None, or FP8 weights from fusetune.quantize_fp8)")
-        if s.shape != (w.shape[0],) or s.dtype != torch.float32:
-            raise ValueError(f"{kernel}: {sname} must be float32 of shape ({w.shape[0]},) (one "
-                             f"scale per output channel of {name}), got {s.dtype} of shape "
+        if s.shape != w.shape[:-1] or s.dtype != torch.float32:
+            raise ValueError(f"{kernel}: {sname} must be float32 of shape {tuple(w.shape[:-1])} "
+                             f"(one scale per output channel of {name}), got {s.dtype} of shape "
                              f"{tuple(s.shape)}")
         if s.device != x.device:
             raise ValueError(f"{kernel}: {sname} is on {s.device}, x on {x.device}")

@@ -33,11 +33,13 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
+from fusetune.kernels import fp8
 from fusetune.kernels._direct import direct
 from fusetune.kernels._matmul import dot
 from fusetune.models import ModelError, ModelPreset
 from fusetune.spec import (
     DTYPE_BYTES,
+    WEIGHT_FORMATS,
     Config,
     Cost,
     KernelSpec,
@@ -64,11 +66,13 @@ def _experts_kernel(
     PAIRS,  # *[blocks·BLOCK_M] int32: the pair in each grouped row (>= n_pairs: padding)
     BLOCK_EXPERT,  # *[blocks] int32: each row block's expert (>= E: no expert, skipped)
     RW,  # *[pairs] the pairs' routing weights (SCALE_ROWS)
+    S,  # *[E, N_W] float32: FP8 weights' scale per expert and output channel (W_SCALED)
     n_pairs, N, K, E,
-    stride_am, stride_we, stride_wn, stride_om,
+    stride_am, stride_we, stride_wn, stride_om, stride_se,
     TOP_K: tl.constexpr,  # launch 1: a pair's row of x is token = pair // TOP_K
     GATED: tl.constexpr,  # launch 1: two products (the gate's rows n, the up's rows N + n)
     SCALE_ROWS: tl.constexpr,  # launch 2: each row times its pair's routing weight
+    W_SCALED: tl.constexpr,  # FP8 weights: each output column times its channel's scale
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -98,14 +102,21 @@ def _experts_kernel(
         for k0 in range(0, K, BLOCK_K):
             k_ok = rk < K - k0  # the last K-step may be partial: masked lanes read 0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            # FP8 weights are converted to the activations' dtype (exact: every FP8 value is
+            # a bf16 and an fp16 value); 16-bit ones already are it
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = dot(a, w, acc, IEEE, INTERPRETED)
+            acc = dot(a, w.to(a.dtype), acc, IEEE, INTERPRETED)
             if GATED:
                 w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :],
                                other=0.0)
-                acc_up = dot(a, w_up, acc_up, IEEE, INTERPRETED)
+                acc_up = dot(a, w_up.to(a.dtype), acc_up, IEEE, INTERPRETED)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if W_SCALED:  # x · (scale ⊙ W)ᵀ = (x · Wᵀ) ⊙ scale, per output column, in float32
+            s_ptrs = S + e.to(tl.int64) * stride_se + rn
+            acc = acc * tl.load(s_ptrs, mask=n_ok, other=0.0)[None, :]
+            if GATED:
+                acc_up = acc_up * tl.load(s_ptrs + N, mask=n_ok, other=0.0)[None, :]
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) · up, float32
         if SCALE_ROWS:
@@ -189,9 +200,11 @@ def group_pairs(topk_ids: torch.Tensor, experts: int, block_m: int,
 
 def _launch_2d(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
-               config: Config) -> None:
-    """x [T, D], gate_up [E, 2H, D], down [E, D, H] (unit column strides), topk_ids and
-    topk_weights [T, k] (contiguous), out [T, D], with exactly `config`."""
+               config: Config, gate_up_scale: torch.Tensor | None = None,
+               down_scale: torch.Tensor | None = None) -> None:
+    """x [T, D], gate_up [E, 2H, D], down [E, D, H] (unit column strides; FP8 with their
+    scales [E, 2H] and [E, D], contiguous, or None), topk_ids and topk_weights [T, k]
+    (contiguous), out [T, D], with exactly `config`."""
     t, d = x.shape
     if t == 0:
         return
@@ -206,14 +219,18 @@ def _launch_2d(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=x.dtype == torch.float32,
                 INTERPRETED=interpreting(), num_warps=config["num_warps"],
                 num_stages=config["num_stages"])
+    s1 = topk_weights if gate_up_scale is None else gate_up_scale  # (not read unless scaled)
+    s2 = topk_weights if down_scale is None else down_scale
     direct(_experts_kernel)[(blocks, cdiv(h, bn))](
-        x, gate_up, inter, pairs, block_expert, topk_weights, n_pairs, h, d, e,
+        x, gate_up, inter, pairs, block_expert, topk_weights, s1, n_pairs, h, d, e,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
-        TOP_K=k, GATED=True, SCALE_ROWS=False, **meta)
+        0 if gate_up_scale is None else gate_up_scale.stride(0),
+        TOP_K=k, GATED=True, SCALE_ROWS=False, W_SCALED=gate_up_scale is not None, **meta)
     direct(_experts_kernel)[(blocks, cdiv(d, bn))](
-        inter, down, per_pair, pairs, block_expert, topk_weights, n_pairs, d, h, e,
+        inter, down, per_pair, pairs, block_expert, topk_weights, s2, n_pairs, d, h, e,
         inter.stride(0), down.stride(0), down.stride(1), per_pair.stride(0),
-        TOP_K=k, GATED=False, SCALE_ROWS=True, **meta)
+        0 if down_scale is None else down_scale.stride(0),
+        TOP_K=k, GATED=False, SCALE_ROWS=True, W_SCALED=down_scale is not None, **meta)
     out.copy_(per_pair.view(t, k, d).sum(dim=1))  # a token's top_k rows, rounded once
 
 
@@ -224,15 +241,20 @@ def moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     *,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
     config: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """The experts' part of a mixture-of-experts layer (see the module docstring): x [tokens,
-    dim] (or [..., dim]), gate_up [experts, 2·hidden, dim], down [experts, dim, hidden], in
-    x's dtype; topk_ids [tokens, top_k] (integers in [0, experts): a token with an id outside
-    gets NaN, as no check can stop the call without waiting for the device) and topk_weights
-    [tokens, top_k] from the caller's router. Returns [..., dim] in x's dtype. The config
-    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) comes from the lookup tables unless
-    `config` is given; no config changes the numerics."""
+    dim] (or [..., dim]); gate_up [experts, 2·hidden, dim] and down [experts, dim, hidden] in
+    x's dtype, or both FP8 (e4m3 or e5m2) with float32 scales per expert and output channel,
+    gate_up_scale [experts, 2·hidden] and down_scale [experts, dim] (fusetune.quantize_fp8 of
+    the stacked experts; weight-only: converted to x's dtype in the kernels); topk_ids
+    [tokens, top_k] (integers in [0, experts): a token with an id outside gets NaN, as no check
+    can stop the call without waiting for the device) and topk_weights [tokens, top_k] from
+    the caller's router. Returns [..., dim] in x's dtype. The config (BLOCK_M, BLOCK_N,
+    BLOCK_K, num_warps, num_stages) comes from the lookup tables (keyed on the weights' format
+    too) unless `config` is given; no config changes the numerics."""
     if x.ndim < 1:
         raise ValueError("moe: x must have at least one dimension")
     d = x.shape[-1]
@@ -251,9 +273,10 @@ def moe(
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise TypeError(f"moe: topk_ids must be integers, got {topk_ids.dtype}")
     for name, w in (("gate_up", gate_up), ("down", down)):
-        if w.dtype != x.dtype or w.device != x.device:
-            raise ValueError(f"moe: {name} must be in x's dtype {x.dtype} on {x.device}, got "
-                             f"{w.dtype} on {w.device}")
+        if w.device != x.device:
+            raise ValueError(f"moe: {name} is on {w.device}, x on {x.device}")
+    weights = fp8.check_weights("moe", x, {"gate_up": gate_up, "down": down},
+                                {"gate_up_scale": gate_up_scale, "down_scale": down_scale})
     check_device(x, "moe")
     check_no_grad("moe", x, gate_up, down, topk_weights)
     dtype = dtype_name(x.dtype)
@@ -262,14 +285,16 @@ def moe(
         from fusetune.runtime import cached_config
 
         dims = (("dim", d), ("experts", e), ("hidden", h), ("top_k", top_k))
-        cfg = cached_config(SPEC, dims, dtype, t, "", x.device)
+        cfg = cached_config(SPEC, dims, dtype, t, weights, x.device)
     else:
         cfg = SPEC.validate_config(config)
     out = torch.empty((t, d), dtype=x.dtype, device=x.device)
     w = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     w2 = down if down.stride(-1) == 1 else down.contiguous()
     _launch_2d(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, w2,
-               topk_ids.to(torch.int64).contiguous(), topk_weights.contiguous(), out, cfg)
+               topk_ids.to(torch.int64).contiguous(), topk_weights.contiguous(), out, cfg,
+               None if gate_up_scale is None else gate_up_scale.contiguous(),
+               None if down_scale is None else down_scale.contiguous())
     return out.view(x.shape)
 
 
@@ -286,10 +311,12 @@ def _make_inputs(point: Point, device: torch.device | str) -> Tensors:
     logits = torch.randn(t, e, device=device)
     weights, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
-    gate_up = torch.randn(e, 2 * h, d, device=device) / d**0.5
-    down = torch.randn(e, d, h, device=device) / h**0.5
-    return {"x": x.to(dtype), "gate_up": gate_up.to(dtype), "down": down.to(dtype),
-            "topk_ids": ids, "topk_weights": weights.to(dtype)}
+    gate_up, gate_up_scale = fp8.spec_weight(torch.randn(e, 2 * h, d, device=device) / d**0.5,
+                                             point)
+    down, down_scale = fp8.spec_weight(torch.randn(e, d, h, device=device) / h**0.5, point)
+    return {"x": x.to(dtype), "gate_up": gate_up, "gate_up_scale": gate_up_scale,
+            "down": down, "down_scale": down_scale, "topk_ids": ids,
+            "topk_weights": weights.to(dtype)}
 
 
 def _make_outputs(inputs: Tensors) -> Tensors:
@@ -297,9 +324,11 @@ def _make_outputs(inputs: Tensors) -> Tensors:
 
 
 def _reference(inputs: Tensors) -> Tensors:
-    """A plain loop over the experts, in float32 (transformers' own experts loop)."""
+    """A plain loop over the experts, in float32 (transformers' own experts loop); FP8 weights
+    dequantized with their scales."""
     x = inputs["x"].float()
-    gate_up, down = inputs["gate_up"].float(), inputs["down"].float()
+    gate_up = fp8.spec_dequantized(inputs, "gate_up")
+    down = fp8.spec_dequantized(inputs, "down")
     ids, weights = inputs["topk_ids"], inputs["topk_weights"].float()
     out = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
@@ -314,7 +343,8 @@ def _reference(inputs: Tensors) -> Tensors:
 
 def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
     _launch_2d(inputs["x"], inputs["gate_up"], inputs["down"], inputs["topk_ids"],
-               inputs["topk_weights"], outputs["out"], config)
+               inputs["topk_weights"], outputs["out"], config, inputs.get("gate_up_scale"),
+               inputs.get("down_scale"))
 
 
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
@@ -333,12 +363,14 @@ def _canonical(config: Config, point: Point) -> Config:
 
 
 def _resources(config: Config, point: Point) -> Resources:
-    elt = DTYPE_BYTES[point.dtype]
+    a_elt, w_elt, converted = fp8.operand_bytes(point)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     threads = 32 * config["num_warps"]
-    # launch 1's two weight tiles and two accumulators (the larger of the two launches)
-    smem = max(1, config["num_stages"] - 1) * (bm * bk + 2 * bk * bn) * elt
-    regs = 2 * bm * bn // threads + (bm * bk + 2 * bk * bn) // threads + 40
+    # launch 1's two weight tiles and two accumulators (the larger of the two launches); FP8
+    # weight tiles staged as bytes, then converted in registers
+    smem = max(1, config["num_stages"] - 1) * (bm * bk * a_elt + 2 * bk * bn * w_elt)
+    regs = (2 * bm * bn // threads + (bm * bk + 2 * bk * bn * (2 if converted else 1)) // threads
+            + 40)
     return Resources(smem_bytes=smem, regs_per_thread=regs, threads=threads)
 
 
@@ -347,8 +379,9 @@ def _cost(point: Point) -> Cost:
     d, e, h, k = dm["dim"], dm["experts"], dm["hidden"], dm["top_k"]
     t = point.rows
     elt = DTYPE_BYTES[point.dtype]
+    w_elt = fp8.operand_bytes(point)[1]
     used = min(e, t * k)  # the experts the pairs can reach: their weights are read
-    bytes_ = used * 3 * h * d * elt + t * d * elt * 2 + t * k * (h * elt + d * 4)
+    bytes_ = used * 3 * h * d * w_elt + t * d * elt * 2 + t * k * (h * elt + d * 4)
     return Cost(bytes=bytes_, flops=2 * t * k * 3 * h * d)
 
 
@@ -375,5 +408,6 @@ SPEC = KernelSpec(
     cost=_cost,
     canonical=_canonical,
     dims_from_model=_dims_from_model,
+    weight_formats=WEIGHT_FORMATS,
     source_objects=(_experts_kernel, _rank_kernel, _place_kernel, group_pairs, _launch_2d, dot),
 )

@@ -97,6 +97,7 @@ def test_default_configs_fit_the_gpus() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["", "fp8-e4m3"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize(("dims", "tokens"), [
     ({"dim": 4096, "experts": 8, "hidden": 14336, "top_k": 2}, 1),  # Mixtral-8x7B, decode
@@ -104,10 +105,10 @@ def test_default_configs_fit_the_gpus() -> None:
     ({"dim": 2048, "experts": 128, "hidden": 768, "top_k": 8}, 8),  # Qwen3-30B-A3B
     ({"dim": 2048, "experts": 128, "hidden": 768, "top_k": 8}, 1000),
 ])
-def test_gpu_real_dims(dims: dict[str, int], tokens: int, dtype: str) -> None:
+def test_gpu_real_dims(dims: dict[str, int], tokens: int, dtype: str, weights: str) -> None:
     # each tile and the default heuristic's config at the models' dims, the tuner's check
     # (output against the float32 reference, the dtype's tolerance)
-    point = Point.make("moe", dims, 1, tokens, dtype)
+    point = Point.make("moe", dims, 1, tokens, dtype, weights)
     ev = Evaluator(SPEC, point, "cuda", "cuda")
     configs = [*CONFIGS.values(), {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64,
                                    "num_warps": 8, "num_stages": 4},
@@ -115,3 +116,40 @@ def test_gpu_real_dims(dims: dict[str, int], tokens: int, dtype: str) -> None:
     for config in configs:
         out = ev.check(config)
         assert out.status == "ok", (config, out.reason)
+
+
+@pytest.mark.parametrize("weights", ["fp8-e4m3", "fp8-e5m2"])
+def test_fp8_weights_pass_the_tuners_check(weights: str) -> None:
+    # weight-only FP8: converted in the kernels, each output column times its expert's channel
+    # scale; the 16-bit tolerance against the dequantized weights
+    point = Point.make("moe", {"dim": 72, "experts": 8, "hidden": 40, "top_k": 2}, 1, 37,
+                       "bfloat16", weights)
+    inputs = SPEC.make_inputs(point, "cpu")
+    assert inputs["gate_up"].dtype != torch.bfloat16 and inputs["down_scale"].shape == (8, 72)
+    for config in CONFIGS.values():
+        out = Evaluator(SPEC, point, "interpreter", "cpu").evaluate(config)
+        assert out.status == "ok", out.reason
+
+
+def test_fp8_weights_through_the_call() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(5, 64).bfloat16()
+    gate_up, down = torch.randn(4, 96, 64) / 8, torch.randn(4, 64, 48) / 7
+    gq, gs = fusetune.quantize_fp8(gate_up)
+    dq, ds = fusetune.quantize_fp8(down)
+    assert gs.shape == (4, 96) and ds.shape == (4, 64)
+    ids = torch.tensor([[0, 3], [1, 3], [2, 2], [0, 1], [3, 0]])
+    w = torch.rand(5, 2).bfloat16()
+    got = fusetune.moe(x, gq, dq, ids, w, gate_up_scale=gs, down_scale=ds,
+                       config=CONFIGS["decode tile"])
+    want = moe_mod._reference({"x": x, "gate_up": gq, "gate_up_scale": gs, "down": dq,
+                               "down_scale": ds, "topk_ids": ids, "topk_weights": w})["out"]
+    assert ((got.float() - want).norm() / want.norm()).item() <= 1.6e-2
+    unscaled = fusetune.moe(x, gq, dq, ids, w, config=CONFIGS["decode tile"])
+    assert not torch.allclose(unscaled.float(), got.float(), rtol=0.1)  # the scales count
+    with pytest.raises(TypeError, match="gate_up and down must have one dtype"):
+        fusetune.moe(x, gq, down.bfloat16(), ids, w, gate_up_scale=gs)
+    with pytest.raises(ValueError, match=r"down_scale must be float32 of shape \(4, 64\)"):
+        fusetune.moe(x, gq, dq, ids, w, gate_up_scale=gs, down_scale=ds[0])
+    with pytest.raises(TypeError, match="gate_up_scale is for FP8 weights"):
+        fusetune.moe(x, gate_up.bfloat16(), down.bfloat16(), ids, w, gate_up_scale=gs)
