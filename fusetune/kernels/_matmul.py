@@ -434,6 +434,16 @@ def rms_scaled(x, g):
     return (xf * g.to(tl.float32)[None, :]).to(x.dtype), tl.sum(xf * xf, axis=1)
 
 
+def gemv_split_k(tiles: int, k: int, block_k: int, gpu: GpuSpec) -> int:
+    """A GEMV's default SPLIT_K for `tiles` column-blocks: the GEMV streams the weights once,
+    so K is split until there are about four programs per SM (every SM keeps loads in flight
+    to the end), at most 8 ways and each part at least two K-steps long."""
+    split = 1
+    while split < 8 and tiles * split < 4 * gpu.sms and split * 2 * block_k <= k:
+        split *= 2
+    return split
+
+
 def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point], Resources],
                   n: int, k: int) -> Config:
     """Tutorial-style tiles for an [M = point.rows, k] x [k, n] product: tall-skinny with the
@@ -469,12 +479,7 @@ def default_tiles(point: Point, gpu: GpuSpec, resources: Callable[[Config, Point
     as_loaded = not point.weights or point.fp8_activations
     c["TMA"] = int(gpu.tma and m >= 2048 and k >= TMA_MIN_K and as_loaded)
     if m == 1:
-        # A GEMV streams the weights once: split K until there are about four programs per SM,
-        # so that every SM keeps loads in flight to the end.
-        tiles = -(-n // c["BLOCK_N"])
-        while (c["SPLIT_K"] < 8 and tiles * c["SPLIT_K"] < 4 * gpu.sms
-               and c["SPLIT_K"] * 2 * c["BLOCK_K"] <= k):
-            c["SPLIT_K"] *= 2
+        c["SPLIT_K"] = gemv_split_k(-(-n // c["BLOCK_N"]), k, c["BLOCK_K"], gpu)
         if point.weights:
             # FP8 weights in the GEMV loop: half the bytes per tile, so two K-steps per
             # iteration (twice the bytes in flight per wait) and wider, shorter tiles; K split

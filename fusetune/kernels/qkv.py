@@ -44,6 +44,7 @@ from fusetune.kernels._matmul import (
     TWO_PRODUCT_SOURCES,
     block_rows,
     default_tiles,
+    gemv_split_k,
     grouped_tile,
     rms_scaled_products,
     store_two_partials,
@@ -673,7 +674,10 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
         c["BLOCK_N"] = -(-max(c["BLOCK_N"], half) // half) * half
         c["SPREAD"] = 0
         if c["BLOCK_M"] == 1:
+            # the wider tiles leave a few column-blocks (48 at Qwen3-8B's): K split again
             c["BLOCK_K"] = 64
+            c["SPLIT_K"] = gemv_split_k(-(-_pairs(point) // c["BLOCK_N"]), point.dim["dim"],
+                                        c["BLOCK_K"], gpu)
     return c
 
 
