@@ -36,8 +36,8 @@ CASES = ("hf-eager", "hf-static", "fusetune-eager", "fusetune-static", "fusetune
          "fusetune-fp8-static", "liger-eager")
 NAMED = dict.fromkeys(CASES)
 # Llama-3-8B's shape (Mistral-7B shares it but for the vocabulary and rope); Qwen3-8B's,
-# Gemma-2-9B's, Gemma-3-12B's (its language model) and Phi-3-mini's as their families' configs
-# (build()).
+# Gemma-2-9B's, Gemma-3-12B's (its language model), Phi-3-mini's, Mixtral-8x7B's and
+# Qwen3-30B-A3B's as their families' configs (build()).
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                        num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256,
@@ -63,6 +63,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "phi-3-mini": dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=32,
                        num_key_value_heads=32, num_hidden_layers=32, vocab_size=32064,
                        rms_norm_eps=1e-5, max_position_embeddings=4096, sliding_window=2047),
+    # Mixture of experts (transformers' experts implementations: --hf-experts)
+    "mixtral-8x7b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                         num_key_value_heads=8, num_hidden_layers=32, vocab_size=32000,
+                         rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=32768,
+                         num_local_experts=8, num_experts_per_tok=2),
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_hidden_layers=48, vocab_size=151936, rms_norm_eps=1e-6,
+                          max_position_embeddings=40960, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True),
     # A check of the script itself, e.g. on the CPU through Triton's interpreter.
     "tiny": dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                  num_key_value_heads=2, num_hidden_layers=2, vocab_size=128,
@@ -78,7 +88,10 @@ def build(model: str, dtype: torch.dtype, seed: int, layers: int | None) -> Any:
     if model in PRESETS:
         cls = {"qwen3-8b": transformers.Qwen3Config, "gemma-2-9b": transformers.Gemma2Config,
                "gemma-3-12b": transformers.Gemma3TextConfig,
-               "phi-3-mini": transformers.Phi3Config}.get(model, transformers.LlamaConfig)
+               "phi-3-mini": transformers.Phi3Config,
+               "mixtral-8x7b": transformers.MixtralConfig,
+               "qwen3-30b-a3b": transformers.Qwen3MoeConfig}.get(model,
+                                                                 transformers.LlamaConfig)
         config = cls(**PRESETS[model])
     else:
         path = Path(model)
@@ -238,6 +251,11 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a check of the flow through Triton's interpreter "
                          "(TRITON_INTERPRET=1; timings meaningless)")
+    ap.add_argument("--hf-experts", default="",
+                    help="mixture-of-experts models: transformers' experts implementations to "
+                         "run hf-eager and hf-static with, comma-separated (eager, batched_mm, "
+                         "grouped_mm; each case once per name, e.g. hf-eager[grouped_mm]); "
+                         "default: the model's own")
     add_cases_option(ap, NAMED, CASES)
     args = ap.parse_args()
     cases = chosen_cases(ap, args.cases, NAMED, CASES)
@@ -298,8 +316,16 @@ def main() -> int:
         if args.profile and DEVICE == "cuda":
             profile(model, next(iter(inputs.values())), static, case)
 
+    experts = [name for name in args.hf_experts.split(",") if name] or [None]
+
+    def hf(case: str, static: bool) -> None:
+        for name in experts:
+            if name is not None:
+                model.set_experts_implementation(name)
+            measure(case if name is None else f"{case}[{name}]", static, False)
+
     if "hf-eager" in cases:
-        measure("hf-eager", False, False)
+        hf("hf-eager", False)
     if {"fusetune-eager", "fusetune-static"} & set(cases):
         fusetune.patch(model)
         if "fusetune-eager" in cases:
@@ -308,7 +334,7 @@ def main() -> int:
             measure("fusetune-static", True, "fusetune-eager" not in cases)
         fusetune.unpatch(model)
     if "hf-static" in cases:
-        measure("hf-static", True, False)
+        hf("hf-static", True)
     if {"fusetune-fp8", "fusetune-fp8-static"} & set(cases):
         fusetune.patch(model, weights="fp8-e4m3")  # the 16-bit weights are gone after this
         if "fusetune-fp8" in cases:
