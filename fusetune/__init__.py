@@ -33,7 +33,7 @@ _LAZY = {
     "qkv": ("fusetune.api", "qkv"),
     "rope": ("fusetune.api", "rope"),
     "swiglu": ("fusetune.api", "swiglu"),
-    "moe": ("fusetune.kernels.moe", "moe"),  # eager only: no custom op yet
+    "moe": ("fusetune.api", "moe"),
     "quantize_fp8": ("fusetune.kernels.fp8", "quantize_fp8"),
     "load_tables": ("fusetune.tables", "load_tables"),
     "lookup": ("fusetune.tables", "lookup"),
@@ -55,11 +55,10 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from fusetune import nn
-    from fusetune.api import ffn, linear, lola, qkv, rmsnorm, rmsnorm_bwd, rope, swiglu
+    from fusetune.api import ffn, linear, lola, moe, qkv, rmsnorm, rmsnorm_bwd, rope, swiglu
     from fusetune.autotuned import NotTunedError, TunedKernel, autotune
     from fusetune.integrations.hf_check import SelfCheckError
     from fusetune.kernels.fp8 import quantize_fp8
-    from fusetune.kernels.moe import moe
     from fusetune.spec import Cost, KernelSpec, Point, Resources
     from fusetune.tables import FusetuneWarning, TableError, load_tables, lookup, resolve
 

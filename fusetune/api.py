@@ -27,6 +27,7 @@ from fusetune import ops
 from fusetune.kernels import ffn as _ffn
 from fusetune.kernels import linear as _linear
 from fusetune.kernels import lola as _lola
+from fusetune.kernels import moe as _moe
 from fusetune.kernels import qkv as _qkv
 from fusetune.kernels import rmsnorm as _rmsnorm
 from fusetune.kernels import rmsnorm_bwd as _rmsnorm_bwd
@@ -34,7 +35,7 @@ from fusetune.kernels import rope as _rope
 from fusetune.kernels import swiglu as _swiglu
 from fusetune.spec import check_no_grad
 
-__all__ = ["ffn", "linear", "lola", "qkv", "rmsnorm", "rmsnorm_bwd", "rope", "swiglu"]
+__all__ = ["ffn", "linear", "lola", "moe", "qkv", "rmsnorm", "rmsnorm_bwd", "rope", "swiglu"]
 
 _F = TypeVar("_F", bound=Callable[..., object])
 
@@ -216,3 +217,20 @@ def lola(
                             ops.config_arg(_lola.SPEC, config))
     return _lola.lola(x, weight, bias, eps=eps, weight_scale=weight_scale,
                       fp8_activations=fp8_activations, config=config)
+
+
+@_documented_as(_moe.moe, "moe")
+def moe(
+    x: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    *,
+    config: Mapping[str, int] | None = None,
+) -> Tensor:
+    if torch.compiler.is_compiling():
+        check_no_grad("moe", x, gate_up, down, topk_weights)
+        return ops._moe_op(x, gate_up, down, topk_ids, topk_weights,
+                           ops.config_arg(_moe.SPEC, config))
+    return _moe.moe(x, gate_up, down, topk_ids, topk_weights, config=config)

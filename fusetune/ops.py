@@ -24,6 +24,7 @@ a mapping. It sets the forward's launch only, as the launchers' `config=` does.
     q, k, v = ops.qkv(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim)
     h = ops.ffn(x, rms_weight, w_gate, w_up, eps)
     y = ops.linear(x, weight, residual=r)
+    y = ops.moe(x, gate_up, down, topk_ids, topk_weights)
 
 The RoPE pairing of `ops.qkv` is Hugging Face's rotate_half (pairs i, i + head_dim/2) with the
 model's own cos/sin tables; q, k, v come back as [batch, seq, heads·head_dim].
@@ -39,6 +40,7 @@ from torch import Tensor
 from fusetune.kernels import ffn as _ffn
 from fusetune.kernels import linear as _linear
 from fusetune.kernels import lola as _lola
+from fusetune.kernels import moe as _moe
 from fusetune.kernels import qkv as _qkv
 from fusetune.kernels import rmsnorm as _rmsnorm
 from fusetune.kernels import rmsnorm_bwd as _rmsnorm_bwd
@@ -395,6 +397,30 @@ def _(x: Tensor, weight: Tensor, bias: Tensor, eps: float, weight_scale: Tensor 
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+# ---- moe ------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fusetune::moe", mutates_args=())
+def _moe_op(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+            config: str = "") -> Tensor:
+    return _moe.moe(x, gate_up, down, topk_ids, topk_weights, config=_config(config))
+
+
+@_moe_op.register_fake
+def _(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+      config: str = "") -> Tensor:
+    return x.new_empty(x.shape)
+
+
+def moe(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor
+        ) -> Tensor:
+    """fusetune.moe: Σ_j w[t, j] · down[e] · (silu(gate[e]·x[t]) ⊙ up[e]·x[t]), e = the
+    router's topk_ids[t, j]; x [..., dim] -> [..., dim] in x's dtype."""
+    if torch.compiler.is_compiling():
+        return _moe_op(x, gate_up, down, topk_ids, topk_weights)
+    return _moe.moe(x, gate_up, down, topk_ids, topk_weights)
+
+
 # Every op this module registers: what `lower_as_fallbacks` hands to Inductor.
 OPS = (_rmsnorm_op, _rmsnorm_bwd_op, _rope_op, _rope_bwd_op, _swiglu_op, _swiglu_bwd_op,
-       _qkv_op, _ffn_op, _linear_op, _lola_op, _rmsnorm_add_op)
+       _qkv_op, _ffn_op, _linear_op, _lola_op, _rmsnorm_add_op, _moe_op)

@@ -86,7 +86,16 @@ def ref_linear(x, weight, bias=None, residual=None, weight_scale=None, fp8_activ
     return y.to(x.dtype)
 
 
-REFERENCES = {"rmsnorm": ref_rmsnorm, "qkv": ref_qkv, "ffn": ref_ffn, "linear": ref_linear}
+def ref_moe(x, gate_up, down, topk_ids, topk_weights):
+    """Each token's top-k experts, each an SwiGLU MLP, weighted and summed in float32."""
+    xf = x.float().reshape(-1, x.shape[-1])
+    g, u = torch.einsum("td,tkhd->tkh", xf, gate_up[topk_ids].float()).chunk(2, dim=-1)
+    y = torch.einsum("tkh,tkdh->tkd", torch.nn.functional.silu(g) * u, down[topk_ids].float())
+    return (y * topk_weights.float()[..., None]).sum(1).to(x.dtype).view(x.shape)
+
+
+REFERENCES = {"rmsnorm": ref_rmsnorm, "qkv": ref_qkv, "ffn": ref_ffn, "linear": ref_linear,
+              "moe": ref_moe}
 
 
 @pytest.fixture
@@ -152,7 +161,21 @@ CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     # LongRoPE: per-frequency factors and attention scaling, past the original context
     "phi3-longrope": lambda: transformers.Phi3Config(**SMALL, rope_parameters=LONG_ROPE,
                                                      original_max_position_embeddings=8),
+    # mixture of experts: the model's router (softmax, top 2, renormalized), 4 experts
+    "mixtral": lambda: transformers.MixtralConfig(**{**SMALL, "intermediate_size": 32},
+                                                  head_dim=16, num_local_experts=4,
+                                                  num_experts_per_tok=2),
+    # Qwen3's attention; 8 experts, top 2 renormalized; layer 1 a dense MLP (mlp_only_layers)
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=16, num_experts=8,
+                                                     num_experts_per_tok=2,
+                                                     moe_intermediate_size=32,
+                                                     norm_topk_prob=True, mlp_only_layers=[1]),
+    # the top-2 softmax weights as they are (norm_topk_prob False, Qwen3-30B-A3B's config)
+    "qwen3-moe-unnormed": lambda: transformers.Qwen3MoeConfig(
+        **SMALL, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=False),
 }
+MOE = ("mixtral", "qwen3-moe", "qwen3-moe-unnormed")
 
 
 def tiny(kind: str, **overrides) -> transformers.PreTrainedModel:
@@ -227,14 +250,18 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
     ref_ops.update(dict.fromkeys(ref_ops, 0))  # the patch's self-check calls them too
     got = logits(model, ids, mask)
     n_layers = model.config.num_hidden_layers
-    norms = 1 + (2 * n_layers if kind.startswith("gemma") else 0)  # + Gemma's post-norms
-    assert ref_ops == {"qkv": n_layers, "ffn": n_layers, "linear": 2 * n_layers,
-                       "rmsnorm": norms}
+    sparse = sum(hasattr(layer.mlp, "experts") for layer in model.model.layers)
+    assert sparse == (n_layers - (kind == "qwen3-moe") if kind in MOE else 0)
+    dense = n_layers - sparse
+    # + Gemma's post-norms; a sparse layer's norm before its router is an rmsnorm of its own
+    norms = 1 + (2 * n_layers if kind.startswith("gemma") else 0) + sparse
+    assert ref_ops == {"qkv": n_layers, "ffn": dense, "linear": n_layers + dense,
+                       "rmsnorm": norms, "moe": sparse}
     assert rel_err(got, want_logits) <= 1e-5
     assert torch.equal(greedy(model, ids, mask), want_tokens)
     # gate and up: the halves of one matrix (the unfused ffn's one GEMM), q, k, v (and their
     # biases) the rows of one, no copy kept
-    mlps = [layer.mlp for layer in model.model.layers]
+    mlps = [layer.mlp for layer in model.model.layers if not hasattr(layer.mlp, "experts")]
     assert kind.startswith("phi3") or all(
         _unfused.stacked(m.gate_proj.weight, m.up_proj.weight) is not None for m in mlps)
     attns = [layer.self_attn for layer in model.model.layers]
@@ -256,7 +283,7 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                  "phi3"])
+                                  "phi3", "mixtral", "qwen3-moe"])
 def test_static_cache_generate(kind: str, ref_ops: dict[str, int]) -> None:
     model = tiny(kind)
     ids, mask = prompts()
@@ -266,7 +293,7 @@ def test_static_cache_generate(kind: str, ref_ops: dict[str, int]) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                  "phi3"])
+                                  "phi3", "mixtral", "qwen3-moe"])
 def test_cached_decode_step_matches_a_full_forward(kind: str, ref_ops: dict[str, int]) -> None:
     """The next token's logits from the KV cache of the prompt equal those of one forward over
     the prompt and that token: the cache is filled and read (a forward that misses the cache's
@@ -371,6 +398,55 @@ def test_fp8_activations_only_when_asked(ref_ops: dict[str, int]) -> None:
         fusetune.patch(tiny("llama"), weights="fp8-e4m3", activations="int8")
 
 
+def test_moe_router_outputs_are_the_models(ref_ops: dict[str, int]) -> None:
+    """The patched sparse layers call the model's own router module: the router logits that
+    output_router_logits returns, and the load-balancing loss made from them, are the model's."""
+    model = tiny("qwen3-moe-unnormed")
+    ids, mask = prompts()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        fusetune.patch(model)
+        got = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    assert len(got.router_logits) == len(want.router_logits) == 2
+    for g, w in zip(got.router_logits, want.router_logits, strict=True):
+        assert rel_err(g, w) <= 1e-5
+    assert rel_err(got.aux_loss, want.aux_loss) <= 1e-5
+
+
+@pytest.mark.parametrize(("kind", "family"), [("mixtral", "mixtral"),
+                                              ("qwen3-moe", "qwen3_moe")])
+def test_moe_fp8_weights_refused(kind: str, family: str, ref_ops: dict[str, int]) -> None:
+    model = tiny(kind)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=rf"fusetune.patch \({family}\): weights='fp8-e4m3'; "
+                                         r"the experts .* no FP8 path, so .* take weights=None "
+                                         r"\(their own 16-bit weights\)"):
+        fusetune.patch(model, weights="fp8-e4m3")
+    assert_untouched(model, before)
+
+
+def test_moe_gradients_refused(ref_ops: dict[str, int]) -> None:
+    # fusetune.moe has no backward kernel: a sparse layer refuses gradients with a message
+    # (and runs under no_grad as ever).
+    model = fusetune.patch(tiny("mixtral"))
+    ids, mask = prompts()
+    with pytest.raises(RuntimeError, match=r"MixtralDecoderLayer \(mixtral\) has no backward "
+                                           r"pass \(its experts \(fusetune.moe\) have no "
+                                           r"backward kernel\)"):
+        model(input_ids=ids, attention_mask=mask, labels=ids)
+    logits(model, ids, mask)
+
+
+def test_moe_unsupported_experts(ref_ops: dict[str, int]) -> None:
+    model = tiny("mixtral")
+    model.model.layers[1].mlp.experts._is_expert_parallel = True  # ids past the local experts
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"layer 1: experts with _is_expert_parallel=True; "
+                                         r"fusetune.moe takes .*_is_expert_parallel=False"):
+        fusetune.patch(model)
+    assert_untouched(model, before)
+
+
 # --- (b) the real ops --------------------------------------------------------------------------
 
 
@@ -383,7 +459,7 @@ def test_real_ops_match_the_model(kind: str) -> None:
     fusetune.patch(model)
     assert rel_err(logits(model, ids, mask), want_logits) <= 1e-4
     assert torch.equal(greedy(model, ids, mask), want_tokens)
-    if kind in ("llama", "mistral", "qwen2"):
+    if kind in ("llama", "mistral", "qwen2", *MOE):
         assert torch.equal(greedy(model, ids, mask, cache_implementation="static"), want_tokens)
     fusetune.unpatch(model)
     assert torch.equal(logits(model, ids, mask), want_logits)
@@ -582,6 +658,23 @@ def test_self_check_covers_each_layer_kind(ref_ops: dict[str, int]) -> None:
                  layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2)
     assert layer_kinds(model.model) == [0, 2]
     assert layer_kinds(tiny("llama").model) == [0]
+    assert layer_kinds(tiny("qwen3-moe").model) == [0, 1]  # sparse, then dense
+    assert layer_kinds(tiny("mixtral").model) == [0]
+
+
+def test_self_check_covers_the_experts(ref_ops: dict[str, int],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts that ignore the router's weights fail the check of a sparse layer."""
+    ops = importlib.import_module("fusetune.ops")
+    right = ops.moe
+    monkeypatch.setattr(ops, "moe", lambda x, gate_up, down, ids, weights: right(
+        x, gate_up, down, ids, torch.ones_like(weights)))
+    model = tiny("qwen3-moe")
+    before = snapshot(model)
+    with pytest.raises(SelfCheckError, match=r"qwen3_moe\): layer 0 \(Qwen3MoeDecoderLayer\), 5 "
+                                             r"prompt tokens: the patched output differs by"):
+        fusetune.patch(model)
+    assert_untouched(model, before)
 
 
 def test_untested_transformers_warns(ref_ops: dict[str, int],

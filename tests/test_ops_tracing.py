@@ -20,6 +20,7 @@ from fusetune import api, ops
 from fusetune.kernels import ffn as ffn_mod
 from fusetune.kernels import linear as linear_mod
 from fusetune.kernels import lola as lola_mod
+from fusetune.kernels import moe as moe_mod
 from fusetune.kernels import qkv as qkv_mod
 from fusetune.kernels import rmsnorm as rmsnorm_mod
 from fusetune.kernels import rmsnorm_bwd as rmsnorm_bwd_mod
@@ -35,7 +36,7 @@ DTYPES = [torch.float32, torch.float16]
 LAUNCHERS: dict[str, Callable[..., Any]] = {
     "rmsnorm": rmsnorm_mod.rmsnorm, "rmsnorm_bwd": rmsnorm_bwd_mod.rmsnorm_bwd,
     "rope": rope_mod.rope, "qkv": qkv_mod.qkv, "ffn": ffn_mod.ffn, "swiglu": swiglu_mod.swiglu,
-    "linear": linear_mod.linear, "lola": lola_mod.lola,
+    "linear": linear_mod.linear, "lola": lola_mod.lola, "moe": moe_mod.moe,
 }
 RMSNORM_CFG = {"BLOCK_D": 32, "ROWS": 2, "num_warps": 4, "num_stages": 1}
 
@@ -95,7 +96,18 @@ def case(name: str, dtype: torch.dtype) -> tuple[Callable[..., Any], tuple[torch
     if name == "lola":
         w, b = rand(40, 64, dtype=dtype, scale=0.125), rand(40, dtype=dtype)
         return (lambda x, w, b: fusetune.lola(x, w, b, eps=1e-5) + 1), (x, w, b)
+    if name == "moe":
+        return (lambda x, *rest: fusetune.moe(x, *rest) + x), (x.view(6, 64), *moe_args(dtype))
     raise AssertionError(name)
+
+
+def moe_args(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Four experts of hidden 32 for 6 tokens: gate_up, down, topk_ids, topk_weights (top 2)."""
+    gate_up = rand(4, 64, 64, dtype=dtype, scale=0.125, seed=5)
+    down = rand(4, 64, 32, dtype=dtype, scale=0.125, seed=6)
+    ids = torch.tensor([[0, 1], [2, 0], [3, 1], [1, 2], [0, 3], [2, 3]], device=DEVICE)
+    weights = torch.softmax(rand(6, 2, dtype=torch.float32, seed=8), dim=-1)
+    return gate_up, down, ids, weights
 
 
 def outputs(out: Any) -> tuple[torch.Tensor | None, ...]:
@@ -313,7 +325,7 @@ def test_rope_tables_that_require_grad_are_refused() -> None:
         compiled(x, cos.requires_grad_(), sin)
 
 
-@pytest.mark.parametrize("name", ["qkv", "ffn", "linear", "lola", "rmsnorm_bwd"])
+@pytest.mark.parametrize("name", ["qkv", "ffn", "linear", "lola", "moe", "rmsnorm_bwd"])
 def test_no_backward_ops_refuse_inputs_that_require_grad(name: str) -> None:
     fn, args = case(name, torch.float32)
     args = (args[0].requires_grad_(), *args[1:])
@@ -351,6 +363,7 @@ def test_new_ops_pass_opcheck(dtype: torch.dtype) -> None:
     xl, w, bias = rand(5, 64, dtype=dtype), rand(40, 64, dtype=dtype, scale=0.125), rand(
         40, dtype=dtype)
     torch.library.opcheck(ops._lola_op, (xl, w, bias, 1e-5, None, False))
+    torch.library.opcheck(ops._moe_op, (rand(6, 64, dtype=dtype), *moe_args(dtype)))
     xq, g = rand(2, 3, 64, dtype=dtype), rand(64, dtype=dtype, seed=1)
     ws = tuple(rand(n, 64, dtype=dtype, scale=0.125, seed=2) for n in (64, 32, 32))
     torch.library.opcheck(ops._qkv_op, (xq, g, *ws, cos, sin, EPS, HEAD_DIM, None, None, None,

@@ -5,10 +5,10 @@
     model = fusetune.patch(model, weights="fp8-e4m3", activations="fp8")  # FP8 products too
     fusetune.unpatch(model)                             # the model's own forwards again
 
-What is swapped, per family (Llama, Mistral, Qwen2, Qwen3, Phi-3): the `forward` of module
-*instances* (never of the classes, so other models of the same family in the process stay as
-they are), bound with `types.MethodType`; no module and no parameter is replaced (unless
-weights are FP8):
+What is swapped, per family (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3, Mixtral,
+Qwen3-MoE): the `forward` of module *instances* (never of the classes, so other models of the
+same family in the process stay as they are), bound with `types.MethodType`; no module and no
+parameter is replaced (unless weights are FP8):
 
 - each attention module: input_layernorm + q/k/v (+ the Qwen2 biases; Qwen3's per-head q_norm
   and k_norm; Phi-3's one qkv_proj as views of its row blocks) + RoPE -> `ops.qkv`, with
@@ -21,6 +21,10 @@ weights are FP8):
 - each decoder layer: the attention module as above, then post_attention_layernorm + gate/up
   (Phi-3's gate_up_proj as views of its halves) + SiLU·mul -> `ops.ffn`, down_proj + the
   residual add -> `ops.linear` (Phi-3's residual dropouts, where they drop, before the add);
+  a mixture-of-experts layer's post_attention_layernorm -> `ops.rmsnorm`, the block's own
+  router module (the model's softmax, top-k and normalization: its ids and weights as they
+  are), the experts -> `ops.moe`, then the residual add (no FP8 weights, no training path:
+  fusetune.moe has neither); Qwen3-MoE's dense layers as Llama's;
 - the final norm -> `ops.rmsnorm`.
 
 With gradients recorded, each patched layer runs its training path instead: fusetune.rmsnorm,
@@ -93,6 +97,10 @@ class Family:
     # (hidden_activation); the attention's logit soft-capping passed on as the model does
     gemma: bool = False
     base: str = "Model"  # the base model's class: <prefix><base> (Gemma 3's text model)
+    # Mixtral, Qwen3-MoE: a mixture-of-experts MLP (<prefix>SparseMoeBlock: the router `gate`,
+    # the `experts` with 3-D gate_up_proj and down_proj) on the layers that have one; the
+    # others (Qwen3-MoE's mlp_only_layers) a dense MLP as Llama's
+    moe: bool = False
 
     @property
     def attn_projections(self) -> tuple[str, ...]:
@@ -103,9 +111,13 @@ class Family:
     def mlp_projections(self) -> tuple[str, ...]:
         return ("gate_up_proj",) if self.fused else ("gate_proj", "up_proj")
 
+    def sparse(self, layer: nn.Module) -> bool:
+        """Whether `layer`'s MLP is the family's mixture-of-experts block."""
+        return self.moe and isinstance(layer.mlp, self.cls("SparseMoeBlock"))
+
     @property
     def projections(self) -> tuple[tuple[str, str], ...]:
-        """(parent, name) of every projection: what FP8 weights quantize."""
+        """(parent, name) of every projection of a dense layer: what FP8 weights quantize."""
         return (*(("self_attn", n) for n in self.attn_projections), ("self_attn", "o_proj"),
                 *(("mlp", n) for n in self.mlp_projections), ("mlp", "down_proj"))
 
@@ -140,6 +152,12 @@ FAMILIES: tuple[Family, ...] = (
     # Phi-3 and 3.5 mini / medium; the 128K-context configs scale by LongRoPE
     Family("phi3", "Phi3", qkv_bias=False, rope_types=("default", "longrope"),
            sliding_window=lambda attn: getattr(attn.config, "sliding_window", None), fused=True),
+    # Mixtral 8x7B, 8x22B: Mistral's attention, 8 experts, top 2
+    Family("mixtral", "Mixtral", qkv_bias=False, rope_types=("default",),
+           sliding_window=lambda attn: getattr(attn.config, "sliding_window", None), moe=True),
+    # Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3's attention, 128 experts, top 8
+    Family("qwen3_moe", "Qwen3Moe", qkv_bias=False, rope_types=("default", "yarn"),
+           sliding_window=lambda attn: attn.sliding_window, qk_norm=True, moe=True),
 )
 
 
@@ -190,12 +208,14 @@ class PatchState:
 
 def patch(model: nn.Module, *, weights: str | None = None, activations: str | None = None,
           verify: bool = True) -> nn.Module:
-    """Runs the transformers causal LM `model` (Llama, Mistral, Qwen2, Qwen3, Phi-3 families; also
-    their base models, e.g. LlamaModel) through fusetune's fused ops, in place; returns `model`.
+    """Runs the transformers causal LM `model` (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3,
+    Phi-3, Mixtral, Qwen3-MoE families; also their base models, e.g. LlamaModel) through
+    fusetune's fused ops, in place; returns `model`.
 
     weights: None keeps the model's weights; "fp8-e4m3" or "fp8-e5m2" quantizes every
     projection (q, k, v, o, gate, up, down) once, with one float32 scale per output channel
     (`fusetune.quantize_fp8`), frees the 16-bit copies and prints the memory before and after.
+    Mixtral and Qwen3-MoE take None only (fusetune.moe has no FP8 path; ValueError).
 
     activations: None keeps the activations in the model's dtype: FP8 weights are then
     weight-only, and every projection matches the dequantized weights within the 16-bit
@@ -220,7 +240,8 @@ def patch(model: nn.Module, *, weights: str | None = None, activations: str | No
     kernels: fusetune.rmsnorm, the projections as torch matmuls (cuBLAS), fusetune.rope and
     fusetune.swiglu, so that `loss.backward()` gives the unpatched model's gradients. Under
     torch.no_grad() or torch.inference_mode() (generate() runs there) the fused kernels run. A
-    model patched with FP8 weights has no backward pass: it raises RuntimeError there.
+    model patched with FP8 weights, Gemma's GeGLU and the experts of a mixture-of-experts layer
+    have no backward pass: they raise RuntimeError there.
     """
     if weights is not None and weights not in WEIGHT_FORMATS:
         raise ValueError(f"fusetune.patch: weights={weights!r}; valid: None (the model's own "
@@ -236,6 +257,10 @@ def patch(model: nn.Module, *, weights: str | None = None, activations: str | No
         state: PatchState = getattr(base, _STATE)
         raise ValueError(f"fusetune.patch: this {type(model).__name__} is patched already "
                          f"(weights={state.weights or None!r}); fusetune.unpatch(model) first")
+    if weights and family.moe:
+        raise ValueError(f"fusetune.patch ({family.name}): weights={weights!r}; the experts of "
+                         f"a mixture-of-experts layer (fusetune.moe) have no FP8 path, so "
+                         f"{family.name} models take weights=None (their own 16-bit weights)")
     _check(family, base)
     from fusetune import ops  # fails here, not in the first forward, if missing
 
@@ -393,8 +418,11 @@ def _check_layer(family: Family, layer: nn.Module, at: str, rotary: nn.Module) -
             raise ValueError(f"{at}: {name} is {lin.out_features}×{lin.in_features}, expected "
                              f"{out}×{config.hidden_size} (heads {n_heads}/{n_kv}, head_dim "
                              f"{head_dim}, hidden_size {config.hidden_size})")
+    sparse = family.sparse(layer)
+    if sparse:
+        _check_experts(family, mlp, at, config.hidden_size)
     hidden = config.intermediate_size
-    for name in family.mlp_projections:
+    for name in () if sparse else family.mlp_projections:
         lin = getattr(mlp, name)
         out = 2 * hidden if name == "gate_up_proj" else hidden
         if lin.out_features != out or lin.in_features != config.hidden_size:
@@ -411,9 +439,8 @@ def _check_layer(family: Family, layer: nn.Module, at: str, rotary: nn.Module) -
             raise ValueError(f"{at}: {name} {has} a bias; {family.name} q/k/v projections are "
                              f"{'with' if family.qkv_bias else 'without'} bias "
                              "(attention_bias is not supported)")
-    biased = [n for n, lin in [("o_proj", attn.o_proj),
-                               *((n, getattr(mlp, n)) for n in family.mlp_projections),
-                               ("down_proj", mlp.down_proj)]
+    dense = [] if sparse else [*family.mlp_projections, "down_proj"]
+    biased = [n for n, lin in [("o_proj", attn.o_proj), *((n, getattr(mlp, n)) for n in dense)]
               if lin.bias is not None]
     if biased:
         raise ValueError(f"{at}: {', '.join(biased)} with bias (attention_bias / mlp_bias); "
@@ -434,6 +461,46 @@ def _check_layer(family: Family, layer: nn.Module, at: str, rotary: nn.Module) -
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for name in norms:
         _check_norm(getattr(layer, name), f"{at}: {name}")
+
+
+# The experts' layout fusetune.moe takes, as transformers' experts decorator
+# (integrations/moe.py: use_experts_implementation) records it on the module: gated, no bias,
+# [experts, 2·hidden, dim] with each expert's gate rows before its up rows, no norm after each
+# expert, every expert in this process (no expert-parallel sentinel ids)
+EXPERTS_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False,
+                  "is_concatenated": True, "has_post_expert_norm": False,
+                  "_is_expert_parallel": False}
+
+
+def _check_experts(family: Family, mlp: nn.Module, at: str, dim: int) -> None:
+    """A mixture-of-experts block as the patched layer runs it: the family's router module
+    (whose top-k ids and weights it takes as they are), experts as fusetune.moe takes them."""
+    router_cls = family.cls("TopKRouter")
+    router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    if not isinstance(router, router_cls):
+        raise ValueError(f"{at}: mlp.gate is a {type(router).__name__}, expected "
+                         f"{router_cls.__name__} (the router, whose top-k experts and weights "
+                         "the patched layer takes)")
+    gate_up = getattr(experts, "gate_up_proj", None)
+    down = getattr(experts, "down_proj", None)
+    shapes = [None if t is None else tuple(t.shape) for t in (gate_up, down)]
+    if (gate_up is None or down is None or gate_up.ndim != 3 or gate_up.shape[2] != dim
+            or gate_up.shape[1] % 2
+            or down.shape != (gate_up.shape[0], dim, gate_up.shape[1] // 2)):
+        raise ValueError(f"{at}: the experts' gate_up_proj {shapes[0]} and down_proj "
+                         f"{shapes[1]}; expected [experts, 2·hidden, {dim}] and [experts, {dim}, "
+                         "hidden] (transformers' fused experts layout)")
+    if router.num_experts != gate_up.shape[0] or not 0 < router.top_k <= router.num_experts:
+        raise ValueError(f"{at}: the router picks {router.top_k} of {router.num_experts} "
+                         f"experts, and the layer has {gate_up.shape[0]}")
+    differ = [f"{k}={getattr(experts, k)!r}" for k, v in EXPERTS_LAYOUT.items()
+              if getattr(experts, k, v) != v]
+    extra = sorted({n for n, _ in experts.named_parameters()} - {"gate_up_proj", "down_proj"})
+    if differ or extra:
+        raise ValueError(f"{at}: experts with {', '.join(differ + extra)}; fusetune.moe takes "
+                         "gated experts without bias, gate rows then up rows, every expert in "
+                         f"this process ({', '.join(f'{k}={v}' for k, v in EXPERTS_LAYOUT.items())}"
+                         ", parameters gate_up_proj and down_proj)")
 
 
 def _gate_activation(family: Family, config: Any, where: str) -> str:
@@ -521,7 +588,8 @@ def _bind_all(state: PatchState, base: nn.Module, family: Family, api: CacheApi,
             getattr(layer, "resid_attn_dropout", None),
             layer.post_attention_layernorm if family.gemma else None))
         _bind(state, layer, _layer_forward(family, api, fp8, act,
-                                           getattr(layer, "resid_mlp_dropout", None)))
+                                           getattr(layer, "resid_mlp_dropout", None),
+                                           sparse=family.sparse(layer)))
     _bind(state, base.norm, _norm_forward(family))
 
 
@@ -539,12 +607,13 @@ def _drop_compiled(model: nn.Module) -> None:
     model.__dict__.pop("_compiled_call", None)
 
 
-def _stacked_groups(family: Family) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The projections that read the same input, in separate modules: where the tables choose
-    the unfused form (UNFUSED = 1), one GEMM multiplies by each group's stacked matrix (a
-    family's fused projections are one matrix already)."""
+def _stacked_groups(family: Family, layer: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The projections of `layer` that read the same input, in separate modules: where the
+    tables choose the unfused form (UNFUSED = 1), one GEMM multiplies by each group's stacked
+    matrix (a family's fused projections are one matrix already, and so are the experts')."""
+    mlp = () if family.sparse(layer) else (("mlp", family.mlp_projections),)
     return tuple((parent, names) for parent, names in (("self_attn", family.attn_projections),
-                                                       ("mlp", family.mlp_projections))
+                                                       *mlp)
                  if len(names) > 1)
 
 
@@ -558,7 +627,7 @@ def _stack_projections(base: nn.Module, family: Family) -> bool:
     from fusetune.kernels import _unfused
 
     groups = [[getattr(getattr(layer, parent), n) for n in names]
-              for layer in base.layers for parent, names in _stacked_groups(family)]
+              for layer in base.layers for parent, names in _stacked_groups(family, layer)]
     todo: list[list[tuple[nn.Module, str]]] = []
     for lins in groups:
         for attr in ("weight", "weight_scale", "bias"):
@@ -595,7 +664,7 @@ def _unstack_projections(base: nn.Module, family: Family) -> None:
     """Undoes _stack_projections for 16-bit weights: each tensor one of its own again (state
     dicts with shared storage are refused by safetensors' save)."""
     for layer in base.layers:
-        for parent, names in _stacked_groups(family):
+        for parent, names in _stacked_groups(family, layer):
             for n in names:
                 lin = getattr(getattr(layer, parent), n)
                 for p in (lin.weight, lin.bias):
@@ -609,6 +678,7 @@ def _quantize(base: nn.Module, family: Family, fmt: str) -> None:
     one projection at a time so that the extra memory is one projection's."""
     from fusetune.kernels.fp8 import quantize_fp8
 
+    assert not family.moe, "patch refuses FP8 weights for mixture-of-experts families"
     before = after = count = 0
     total = len(base.layers) * len(family.projections)
     for i, layer in enumerate(base.layers):
@@ -693,13 +763,17 @@ def _dropping(drop: nn.Module | None) -> bool:
     return drop is not None and drop.training and drop.p > 0
 
 
-def _no_backward(family: Family, module: nn.Module) -> None:
-    if family.gemma:
+def _no_backward(family: Family, module: nn.Module, sparse: bool = False) -> None:
+    """RuntimeError where the patched `module` has no backward pass: Gemma's GeGLU gate, and
+    the experts of a mixture-of-experts layer (`sparse`), have no backward kernels."""
+    why = ("its experts (fusetune.moe) have no backward kernel" if sparse
+           else "its GeGLU gate has no backward kernel" if family.gemma else "")
+    if why:
         raise RuntimeError(
             f"fusetune: the patched {type(module).__name__} ({family.name}) has no backward "
-            "pass (its GeGLU gate has no backward kernel), and gradients are enabled with an "
-            "input or parameter that requires grad; run it under torch.no_grad() or "
-            "torch.inference_mode() (generate() does), or unpatch the model to train it")
+            f"pass ({why}), and gradients are enabled with an input or parameter that requires "
+            "grad; run it under torch.no_grad() or torch.inference_mode() (generate() does), "
+            "or unpatch the model to train it")
 
 
 def _attention_forward(norm: nn.Module, family: Family, eager: Callable[..., Any],
@@ -789,10 +863,11 @@ def _attention_forward(norm: nn.Module, family: Family, eager: Callable[..., Any
 
 
 def _layer_forward(family: Family, api: CacheApi, fp8: bool, act: bool = False,
-                   drop: nn.Module | None = None) -> Callable[..., Any]:
+                   drop: nn.Module | None = None, sparse: bool = False) -> Callable[..., Any]:
     """The decoder layer's forward (signature and return convention of LlamaDecoderLayer.forward:
     the new hidden states alone; the KV cache as `cache` or `past_key_values`); `drop`: the
-    layer's dropout of the MLP's output before its residual add, where the family has one."""
+    layer's dropout of the MLP's output before its residual add, where the family has one;
+    `sparse`: the layer's MLP is a mixture-of-experts block (`_experts`)."""
     gate_act = "gelu_tanh" if family.gemma else "silu"
 
     def forward(self: nn.Module, hidden_states: torch.Tensor,
@@ -810,6 +885,11 @@ def _layer_forward(family: Family, api: CacheApi, fp8: bool, act: bool = False,
             position_ids=position_ids, use_cache=use_cache,
             position_embeddings=position_embeddings, **kwargs)
         norm = self.pre_feedforward_layernorm if family.gemma else self.post_attention_layernorm
+        if sparse:
+            if _wants_grad(self, hidden_states, fp8):
+                _no_backward(family, self, sparse=True)
+            h = ops.rmsnorm(hidden_states, _norm_weight(norm, family), _eps(norm))
+            return hidden_states + _experts(self.mlp, h)
         down = self.mlp.down_proj
         (gate, up), (s_gate, s_up) = _gate_up_tensors(self.mlp, family, fp8)
         if _wants_grad(self, hidden_states, fp8):
@@ -833,6 +913,23 @@ def _layer_forward(family: Family, api: CacheApi, fp8: bool, act: bool = False,
                           weight_scale=_scale(down, fp8), fp8_activations=act)
 
     return forward
+
+
+def _experts(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """A mixture-of-experts block (<prefix>SparseMoeBlock) on its normalized input `h`: the
+    block's own router module picks each token's experts and weights (its softmax, top-k and
+    normalization, as the installed transformers computes them; its output recorded as the
+    model records it, for output_router_logits), then the experts through `ops.moe`."""
+    from fusetune import ops
+
+    shape = h.shape
+    jitter = getattr(mlp, "jitter_noise", 0)
+    if mlp.training and jitter > 0:  # Mixtral's router jitter, drawn as its block draws it
+        h = h * torch.empty_like(h).uniform_(1.0 - jitter, 1.0 + jitter)
+    h = h.view(-1, shape[-1])
+    _, weights, ids = mlp.gate(h)
+    experts = mlp.experts
+    return ops.moe(h, experts.gate_up_proj, experts.down_proj, ids, weights).view(shape)
 
 
 def _norm_forward(family: Family) -> Callable[..., Any]:

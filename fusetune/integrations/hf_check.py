@@ -4,15 +4,17 @@ What a patched forward must agree with moves between transformers releases (5.24
 KV cache's keyword, and a forward that read the old name stopped updating the cache, with no
 error): so the patch compares itself with the model's own forwards on the installed release.
 
-For one decoder layer of each kind (layer class, attention type, sliding window) it takes the
-call that the model's own base forward makes (captured with a forward pre-hook, so the mask,
-the position embeddings and the cache come as this release builds them) for two prompts of a
-few tokens, the second left-padded, then for one cached decode step, and runs the layer through
-its own forwards and through the patched ones, each with its own copy of the cache. Then the
-final norm. The error is measured against what the layer changes (its output minus its input),
-since the residual stream would otherwise hide a wrong attention or MLP; a difference above
-TOLERANCE for the dtype (or a non-finite value where the model's own is finite) raises
-SelfCheckError naming the layer, the step and the transformers version.
+For one decoder layer of each kind (layer class, MLP class, attention type, sliding window: a
+mixture-of-experts model's dense layers are a kind of their own) it takes the call that the
+model's own base forward makes (captured with a forward pre-hook, so the mask, the position
+embeddings and the cache come as this release builds them) for two prompts of a few tokens, the
+second left-padded, then for one cached decode step, and runs the layer through its own
+forwards and through the patched ones, each with its own copy of the cache (a sparse layer's
+router and experts included). Then the final norm. The error is measured against what the
+layer changes (its output minus its input), since the residual stream would otherwise hide a
+wrong attention or MLP; a difference above TOLERANCE for the dtype (or a non-finite value where
+the model's own is finite) raises SelfCheckError naming the layer, the step and the
+transformers version.
 """
 
 from __future__ import annotations
@@ -60,12 +62,14 @@ def self_check(base: nn.Module, patched: list[Any], family: str, cache_name: str
 
 
 def layer_kinds(base: nn.Module) -> list[int]:
-    """The index of the first decoder layer of each kind: its class, the attention type the
-    config names for it (`layer_types`), and the attention module's sliding window."""
+    """The index of the first decoder layer of each kind: its class, its MLP's class (Qwen3-MoE:
+    sparse or dense), the attention type the config names for it (`layer_types`), and the
+    attention module's sliding window."""
     types = getattr(base.config, "layer_types", None) or []
     first: dict[tuple[Any, ...], int] = {}
     for i, layer in enumerate(base.layers):
-        kind = (type(layer), types[i] if i < len(types) else None,
+        kind = (type(layer), type(getattr(layer, "mlp", None)),
+                types[i] if i < len(types) else None,
                 getattr(layer.self_attn, "sliding_window", None))
         first.setdefault(kind, i)
     return sorted(first.values())
