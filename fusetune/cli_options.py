@@ -125,9 +125,10 @@ _GPU_AND_MODEL = (
                       "be a visible device when configs run. Default: the first visible GPU."),
     click.option("--model", default=None,
                  help="The dims' model: a preset (llama-2-7b, llama-3-8b, llama-3-70b, "
-                      "mistral-7b, qwen2.5-7b, phi-3-mini, ...) or a Hugging Face model "
-                      "directory or its config.json (Llama, Mistral, Qwen2, Phi-3; read "
-                      "locally, no weights). Default: "
+                      "mistral-7b, qwen2.5-7b, phi-3-mini, mixtral-8x7b, ...) or a Hugging "
+                      "Face model directory or its config.json (Llama, Mistral, Qwen2, Qwen3, "
+                      "Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE; read locally, no weights). "
+                      "Default: "
                       f"{DEFAULT_GRID['model']}."),
 )
 # The rows of a model's path (`--kernel all`); PointArgs holds these defaults where a command

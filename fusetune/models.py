@@ -28,6 +28,7 @@ class ModelPreset:
     experts: int = 0  # mixture of experts: the experts of a layer (0: a dense MLP)
     top_k: int = 0  # the experts each token is routed to
     expert_hidden: int = 0  # an expert's feed-forward width
+    dense_layers: int = 0  # of a mixture-of-experts model: the layers with a dense MLP (`hidden`)
     dtype: str = "bfloat16"  # the dtype the model ships in
 
 
@@ -68,7 +69,8 @@ PRESETS: dict[str, ModelPreset] = {
     )
 }
 # Model types whose config.json fusetune reads: the families fusetune.patch runs.
-CONFIG_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+CONFIG_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
+                "qwen3_moe")
 GEMMA = ("gemma2", "gemma3_text")
 
 
@@ -135,16 +137,29 @@ def from_hf_config(config: Mapping[str, Any], source: str) -> ModelPreset:
     if dtype not in ("float16", "bfloat16", "float32"):
         raise ModelError(f"{source}: torch_dtype {dtype!r}; expected float16, bfloat16 or "
                          "float32")
+    experts = top_k = expert_hidden = dense_layers = 0
+    if model_type == "mixtral":  # every layer sparse; intermediate_size is an expert's
+        experts, top_k = field("num_local_experts"), field("num_experts_per_tok")
+        expert_hidden = field("intermediate_size")
+    elif model_type == "qwen3_moe" and config.get("num_experts"):
+        experts, top_k = field("num_experts"), field("num_experts_per_tok")
+        expert_hidden = field("moe_intermediate_size")
+        # a layer's MLP as Qwen3MoeDecoderLayer chooses it
+        step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or []
+        dense_layers = sum(i in dense or (i + 1) % step != 0
+                           for i in range(field("num_hidden_layers")))
     return ModelPreset(
         name=str(config.get("_name_or_path") or Path(source).parent.name or model_type),
         dim=dim, hidden=field("intermediate_size"), n_heads=n_heads, n_kv_heads=int(n_kv),
         head_dim=int(head_dim), norm_eps=float(eps), qkv_bias=model_type == "qwen2",
-        qk_norm=model_type in ("qwen3", "gemma3_text"), post_norms=model_type in GEMMA,
-        mlp_act="gelu_tanh" if model_type in GEMMA else "silu", dtype=dtype)
+        qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
+        post_norms=model_type in GEMMA, mlp_act="gelu_tanh" if model_type in GEMMA else "silu",
+        experts=experts, top_k=top_k, expert_hidden=expert_hidden, dense_layers=dense_layers,
+        dtype=dtype)
 
 
 # The kernels a patched model launches (fusetune.patch), and their dims in it.
-PATCH_KERNELS = ("qkv", "ffn", "linear", "rmsnorm")
+PATCH_KERNELS = ("qkv", "ffn", "moe", "linear", "rmsnorm")
 
 
 def patched_dims(model: ModelPreset) -> dict[str, list[dict[str, int]]]:
@@ -152,14 +167,22 @@ def patched_dims(model: ModelPreset) -> dict[str, list[dict[str, int]]]:
     rotate_half pairing (interleaved 0), the feed-forward, the two output projections with the
     residual add (o_proj: heads·head_dim -> dim; down_proj: hidden -> dim), and the norms
     (the final one, and the first pass of qkv and ffn where a config has one). Gemma's
-    projections add no residual (their outputs are normalized first)."""
+    projections add no residual (their outputs are normalized first).
+
+    A mixture-of-experts model's sparse layers run `moe` (the router's chosen experts, down_proj
+    included; the residual added after it) where a dense MLP runs ffn and down_proj's linear:
+    those only where it has dense layers too. Their norm before the router is the rmsnorm of
+    the same dims as the final one."""
     residual = 0 if model.post_norms else 1
-    return {
+    dense = not model.experts or model.dense_layers > 0
+    dims = {
         "qkv": [{"dim": model.dim, "head_dim": model.head_dim, "interleaved": 0,
                  "n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads,
                  **({"qk_norm": 1} if model.qk_norm else {})}],
         "ffn": [{"dim": model.dim, "hidden": model.hidden,
                  **({"act": 1} if model.mlp_act == "gelu_tanh" else {})}],
+        "moe": [{"dim": model.dim, "experts": model.experts, "hidden": model.expert_hidden,
+                 "top_k": model.top_k}],
         "linear": [{"dim": model.n_heads * model.head_dim, "out": model.dim, "bias": 0,
                     "residual": residual},
                    {"dim": model.hidden, "out": model.dim, "bias": 0, "residual": residual}],
@@ -167,6 +190,12 @@ def patched_dims(model: ModelPreset) -> dict[str, list[dict[str, int]]]:
         "rmsnorm": [{"dim": model.dim}, *([{"dim": model.dim, "residual": 1}]
                                           if model.post_norms else [])],
     }
+    if not model.experts:
+        del dims["moe"]
+    if not dense:
+        del dims["ffn"]
+        dims["linear"] = dims["linear"][:1]  # o_proj
+    return dims
 
 
 # The kernels a patched model launches in training mode (gradients recorded; the projections
@@ -181,7 +210,12 @@ def trained_dims(model: ModelPreset) -> dict[str, list[tuple[str, dict[str, int]
     """(use, dims) of each kernel a model launches in fusetune.patch's training path: the norms
     and their backward, RoPE on q and on k (Hugging Face's rotate_half pairing, interleaved 0;
     one dims where the model has as many key/value heads as query heads) and its backward, the
-    SwiGLU gate silu(gate)·up and its backward."""
+    SwiGLU gate silu(gate)·up and its backward. ModelError for a mixture-of-experts model:
+    its sparse layers have no training path (fusetune.moe has no backward kernel)."""
+    if model.experts:
+        raise ModelError(f"{model.name} is a mixture-of-experts model: fusetune.patch has no "
+                         "training path for its experts (fusetune.moe has no backward kernel); "
+                         "the training kernels are tuned for dense models")
     norm = [("norm", {"dim": model.dim})]
     if model.n_kv_heads == model.n_heads:
         rope = [("q, k", {"head_dim": model.head_dim, "heads": model.n_heads, "interleaved": 0})]
@@ -193,9 +227,10 @@ def trained_dims(model: ModelPreset) -> dict[str, list[tuple[str, dict[str, int]
             "swiglu": glu, "swiglu_bwd": glu}
 
 
-# What each inference kernel's dims stand for in a decoder layer (linear: two projections).
-PATCH_USES = {"qkv": ("qkv",), "ffn": ("gate_up",), "linear": ("o_proj", "down_proj"),
-              "rmsnorm": ("norm",)}
+# What each inference kernel's dims stand for in a decoder layer (linear: two projections, o_proj
+# alone in a mixture-of-experts model without dense layers).
+PATCH_USES = {"qkv": ("qkv",), "ffn": ("gate_up",), "moe": ("experts",),
+              "linear": ("o_proj", "down_proj"), "rmsnorm": ("norm",)}
 
 
 def launched_dims(model: ModelPreset, training: bool = False
@@ -207,8 +242,9 @@ def launched_dims(model: ModelPreset, training: bool = False
     if training:
         return trained_dims(model)
     dims = patched_dims(model)
-    uses = {**PATCH_USES, "rmsnorm": ("norm", "post_norm")[:len(dims["rmsnorm"])]}
-    return {k: list(zip(uses[k], dims[k], strict=True)) for k in PATCH_KERNELS}
+    uses = {**PATCH_USES, "rmsnorm": ("norm", "post_norm")}
+    return {k: list(zip(uses[k][:len(dims[k])], dims[k], strict=True))
+            for k in PATCH_KERNELS if k in dims}
 
 
 def model_rows(decode_batches: Sequence[int], prefill_tokens: Sequence[int]

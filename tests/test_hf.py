@@ -329,6 +329,22 @@ def test_compiled_static_cache_generate(ref_ops: dict[str, int]) -> None:
     assert "_compiled_call" in model.__dict__  # the compiled path did run
 
 
+@pytest.mark.slow
+def test_compiled_static_cache_generate_moe() -> None:
+    """The same with the real ops, on a mixture-of-experts model (a sparse and a dense layer):
+    the router and the custom op fusetune::moe in one graph."""
+    model = tiny("qwen3-moe")
+    ids, mask = prompts()
+    want = greedy(model, ids, mask)
+    fusetune.patch(model)
+    config = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    got = greedy(model, ids, mask, cache_implementation="static", compile_config=config)
+    assert torch.equal(got, want)
+    assert "_compiled_call" in model.__dict__
+
+
 def test_output_attentions_still_reported(ref_ops: dict[str, int]) -> None:
     model = tiny("llama", _attn_implementation="eager")
     ids, mask = prompts()

@@ -111,6 +111,56 @@ def test_phi3_config_and_preset(tmp_path: Path) -> None:
     assert patched_dims(m)["linear"][1] == {"dim": 8192, "out": 3072, "bias": 0, "residual": 1}
 
 
+# Mixtral-8x7B's and Qwen3-30B-A3B's config.json (mistralai/Mixtral-8x7B-v0.1,
+# Qwen/Qwen3-30B-A3B)
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+             "moe_intermediate_size": 768, "num_attention_heads": 32, "num_key_value_heads": 4,
+             "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+             "num_hidden_layers": 48, "decoder_sparse_step": 1, "mlp_only_layers": [],
+             "norm_topk_prob": True, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize(("config", "name"), [(MIXTRAL, "mixtral-8x7b"),
+                                              (QWEN3_MOE, "qwen3-30b-a3b")])
+def test_moe_config_and_preset(tmp_path: Path, config: dict[str, Any], name: str) -> None:
+    from fusetune.kernels import get_spec
+    from fusetune.models import launched_dims
+
+    m = load_model(str(write(tmp_path, config)))
+    preset = load_model(name)
+    assert (m.experts, m.top_k, m.expert_hidden, m.dense_layers) == (
+        preset.experts, preset.top_k, preset.expert_hidden, 0)
+    dims = patched_dims(m)
+    assert dims == patched_dims(preset)
+    # the experts instead of ffn and down_proj's linear; o_proj, the norms and qkv as ever
+    assert dims["moe"] == [get_spec("moe").dims_from_model(preset)]
+    assert "ffn" not in dims and len(dims["linear"]) == 1
+    assert dims["linear"][0]["dim"] == m.n_heads * m.head_dim
+    assert dims["qkv"][0].get("qk_norm", 0) == (name == "qwen3-30b-a3b")
+    assert [(k, [u for u, _ in uses]) for k, uses in launched_dims(m).items()] == [
+        ("qkv", ["qkv"]), ("moe", ["experts"]), ("linear", ["o_proj"]), ("rmsnorm", ["norm"])]
+    with pytest.raises(ModelError, match=r"mixture-of-experts model: fusetune.patch has no "
+                                         r"training path"):
+        launched_dims(m, training=True)
+
+
+def test_qwen3_moe_dense_layers(tmp_path: Path) -> None:
+    # Layers in mlp_only_layers, or off the decoder_sparse_step, have Qwen3's dense MLP: ffn
+    # and down_proj's linear beside moe
+    m = load_model(str(write(tmp_path, {**QWEN3_MOE, "num_hidden_layers": 6,
+                                        "decoder_sparse_step": 2, "mlp_only_layers": [1]})))
+    assert m.dense_layers == 4  # layers 0, 1, 2, 4
+    dims = patched_dims(m)
+    assert dims["ffn"] == [{"dim": 2048, "hidden": 6144}]
+    assert dims["linear"][1] == {"dim": 6144, "out": 2048, "bias": 0, "residual": 1}
+    assert dims["moe"] == [{"dim": 2048, "experts": 128, "hidden": 768, "top_k": 8}]
+    dense = load_model(str(write(tmp_path, {**QWEN3_MOE, "num_experts": 0}, "dense")))
+    assert dense.experts == 0 and "moe" not in patched_dims(dense)
+
+
 def test_patched_model_points() -> None:
     dims = patched_dims(load_model("llama-3-8b"))
     assert dims["qkv"] == [{"dim": 4096, "head_dim": 128, "interleaved": 0, "n_heads": 32,
