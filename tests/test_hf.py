@@ -8,6 +8,7 @@ interpreter here) at a looser tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import sys
@@ -691,6 +692,30 @@ def test_self_check_covers_the_experts(ref_ops: dict[str, int],
                                              r"prompt tokens: the patched output differs by"):
         fusetune.patch(model)
     assert_untouched(model, before)
+
+
+@pytest.mark.slow
+def test_self_check_of_a_sparse_layer_takes_the_models_routing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bfloat16, a token whose 2nd and 3rd experts score within rounding of each other may be
+    routed one way by the patched layer and the other by the model's own, both correct: the
+    check runs what follows the router on the model's routing. This model (weights of seed 8)
+    has such a token at the decode step: without the replay its check fails."""
+    from fusetune.integrations import hf_check
+
+    def bf16_model() -> torch.nn.Module:
+        model = tiny("qwen3-moe-unnormed")
+        torch.manual_seed(8)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
+                        else 0.15 * torch.randn_like(p))
+        return model.to(torch.bfloat16)
+
+    fusetune.patch(bf16_model())
+    monkeypatch.setattr(hf_check._Routing, "replaying", lambda self: contextlib.nullcontext())
+    with pytest.raises(SelfCheckError, match=r"a cached decode step .* differs by"):
+        fusetune.patch(bf16_model())
 
 
 def test_untested_transformers_warns(ref_ops: dict[str, int],

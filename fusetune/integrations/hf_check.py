@@ -15,6 +15,12 @@ layer changes (its output minus its input), since the residual stream would othe
 wrong attention or MLP; a difference above TOLERANCE for the dtype (or a non-finite value where
 the model's own is finite) raises SelfCheckError naming the layer, the step and the
 transformers version.
+
+A sparse layer's patched run takes its router's output from the model's own run (`_Routing`):
+where a token's k-th and (k+1)-th expert scores are within 16-bit rounding of each other, two
+correct forwards may route it differently, and one token sent to another expert changes the
+output by far more than any rounding tolerance. What follows the router (the norm before it,
+how its output is read, the experts) is then checked on the same routing.
 """
 
 from __future__ import annotations
@@ -90,10 +96,12 @@ def _check_layer(base: nn.Module, index: int, modules: dict[int, nn.Module], cac
     cache = _find_cache(kwargs, cache_name, where)
     mine = copy.deepcopy(cache)
     name = f"layer {index} ({type(layer).__name__})"
-    with _own_forwards(own):
+    routing = _Routing(layer)
+    with _own_forwards(own), routing.recording():
         want = _hidden(layer(*args, **_with_cache(kwargs, cache_name, cache)))
     what = f"{name}, {PROMPT_TOKENS} prompt tokens"
-    got = _patched(what, where, lambda: layer(*args, **_with_cache(kwargs, cache_name, mine)))
+    with routing.replaying():
+        got = _patched(what, where, lambda: layer(*args, **_with_cache(kwargs, cache_name, mine)))
     _compare(what, got, want, args, kwargs, where)
 
     norm = base.norm
@@ -107,11 +115,51 @@ def _check_layer(base: nn.Module, index: int, modules: dict[int, nn.Module], cac
     mask = torch.cat([mask, torch.ones_like(step)], dim=1)
     args, kwargs = _capture(base, layer, input_ids=step, attention_mask=mask, use_cache=True,
                             **{cache_name: cache})
-    with _own_forwards(own):
+    with _own_forwards(own), routing.recording():
         want = _hidden(layer(*args, **_with_cache(kwargs, cache_name, cache)))
     what = f"{name}, a cached decode step after {PROMPT_TOKENS} tokens"
-    got = _patched(what, where, lambda: layer(*args, **_with_cache(kwargs, cache_name, mine)))
+    with routing.replaying():
+        got = _patched(what, where, lambda: layer(*args, **_with_cache(kwargs, cache_name, mine)))
     _compare(what, got, want, args, kwargs, where)
+
+
+class _Routing:
+    """A sparse layer's router (`layer.mlp.gate`, beside `layer.mlp.experts`): its outputs are
+    kept while `recording()`, and its calls return them again, in order, while `replaying()`
+    (see the module docstring). Both do nothing for a dense layer."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        mlp = getattr(layer, "mlp", None)
+        router = getattr(mlp, "gate", None) if hasattr(mlp, "experts") else None
+        self.router = router if isinstance(router, nn.Module) else None
+        self.kept: list[Any] = []
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        self.kept = []
+
+        def keep(module: nn.Module, args: tuple, out: Any) -> None:
+            self.kept.append(out)
+
+        with self._hooked(keep):
+            yield
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        def give_back(module: nn.Module, args: tuple, out: Any) -> Any:
+            return self.kept.pop(0) if self.kept else None
+
+        with self._hooked(give_back):
+            yield
+
+    @contextlib.contextmanager
+    def _hooked(self, hook: Callable[..., Any]) -> Iterator[None]:
+        handle = None if self.router is None else self.router.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
 
 
 def _capture(base: nn.Module, layer: nn.Module, **inputs: Any) -> tuple[tuple, dict[str, Any]]:
