@@ -227,10 +227,13 @@ def moe(
     topk_ids: Tensor,
     topk_weights: Tensor,
     *,
+    gate_up_scale: Tensor | None = None,
+    down_scale: Tensor | None = None,
     config: Mapping[str, int] | None = None,
 ) -> Tensor:
     if torch.compiler.is_compiling():
         check_no_grad("moe", x, gate_up, down, topk_weights)
-        return ops._moe_op(x, gate_up, down, topk_ids, topk_weights,
+        return ops._moe_op(x, gate_up, down, topk_ids, topk_weights, gate_up_scale, down_scale,
                            ops.config_arg(_moe.SPEC, config))
-    return _moe.moe(x, gate_up, down, topk_ids, topk_weights, config=config)
+    return _moe.moe(x, gate_up, down, topk_ids, topk_weights, gate_up_scale=gate_up_scale,
+                    down_scale=down_scale, config=config)

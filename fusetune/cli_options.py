@@ -158,7 +158,7 @@ _OPTIONS = (
                       "(a kernel of your own: the dtype its make_inputs is given, float16 "
                       "by default)."),
     click.option("--weights", default=None,
-                 help="Weight format (ffn, qkv, linear, lola): fp8-e4m3 or fp8-e5m2 (FP8 with "
+                 help="Weight format (ffn, qkv, linear, lola, moe): fp8-e4m3 or fp8-e5m2 (FP8 with "
                       "a float32 scale per output channel, as from fusetune.quantize_fp8), or "
                       "fp16 / bf16, the activations' own dtype (the default; weights other than "
                       "FP8 are read in x's dtype). Part of each point's key and of the exported "

@@ -402,23 +402,28 @@ def _(x: Tensor, weight: Tensor, bias: Tensor, eps: float, weight_scale: Tensor 
 
 @torch.library.custom_op("fusetune::moe", mutates_args=())
 def _moe_op(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+            gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None,
             config: str = "") -> Tensor:
-    return _moe.moe(x, gate_up, down, topk_ids, topk_weights, config=_config(config))
+    return _moe.moe(x, gate_up, down, topk_ids, topk_weights, gate_up_scale=gate_up_scale,
+                    down_scale=down_scale, config=_config(config))
 
 
 @_moe_op.register_fake
 def _(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+      gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None,
       config: str = "") -> Tensor:
     return x.new_empty(x.shape)
 
 
-def moe(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor
-        ) -> Tensor:
+def moe(x: Tensor, gate_up: Tensor, down: Tensor, topk_ids: Tensor, topk_weights: Tensor, *,
+        gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
     """fusetune.moe: Σ_j w[t, j] · down[e] · (silu(gate[e]·x[t]) ⊙ up[e]·x[t]), e = the
-    router's topk_ids[t, j]; x [..., dim] -> [..., dim] in x's dtype."""
+    router's topk_ids[t, j]; x [..., dim] -> [..., dim] in x's dtype; FP8 experts with their
+    scales [experts, 2·hidden] and [experts, dim]."""
     if torch.compiler.is_compiling():
-        return _moe_op(x, gate_up, down, topk_ids, topk_weights)
-    return _moe.moe(x, gate_up, down, topk_ids, topk_weights)
+        return _moe_op(x, gate_up, down, topk_ids, topk_weights, gate_up_scale, down_scale)
+    return _moe.moe(x, gate_up, down, topk_ids, topk_weights, gate_up_scale=gate_up_scale,
+                    down_scale=down_scale)
 
 
 # Every op this module registers: what `lower_as_fallbacks` hands to Inductor.

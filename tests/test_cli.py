@@ -241,7 +241,7 @@ def test_weights_help_names_every_kernel_that_takes_weight_formats() -> None:
     from fusetune.kernels import REGISTRY
 
     takes = sorted(name for name, spec in REGISTRY.items() if spec.weight_formats)
-    assert takes == ["ffn", "linear", "lola", "qkv"]
+    assert takes == ["ffn", "linear", "lola", "moe", "qkv"]
     for command in (cli.search, cli.evaluate_search):
         (option,) = [p for p in command.params if p.name == "weights"]
         named = re.match(r"Weight format \(([^)]*)\)", option.help or "")

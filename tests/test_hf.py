@@ -25,7 +25,7 @@ import fusetune  # noqa: E402
 from fusetune.integrations import hf  # noqa: E402
 from fusetune.integrations.hf_check import SelfCheckError, layer_kinds  # noqa: E402
 from fusetune.kernels import _unfused  # noqa: E402
-from fusetune.kernels.fp8 import quantize_fp8, quantize_rows  # noqa: E402
+from fusetune.kernels.fp8 import dequantize, quantize_fp8, quantize_rows  # noqa: E402
 
 # --- the ops' contract in plain torch ----------------------------------------------------------
 
@@ -87,11 +87,13 @@ def ref_linear(x, weight, bias=None, residual=None, weight_scale=None, fp8_activ
     return y.to(x.dtype)
 
 
-def ref_moe(x, gate_up, down, topk_ids, topk_weights):
-    """Each token's top-k experts, each an SwiGLU MLP, weighted and summed in float32."""
+def ref_moe(x, gate_up, down, topk_ids, topk_weights, gate_up_scale=None, down_scale=None):
+    """Each token's top-k experts, each an SwiGLU MLP, weighted and summed in float32 (FP8
+    experts dequantized with their scales)."""
     xf = x.float().reshape(-1, x.shape[-1])
-    g, u = torch.einsum("td,tkhd->tkh", xf, gate_up[topk_ids].float()).chunk(2, dim=-1)
-    y = torch.einsum("tkh,tkdh->tkd", torch.nn.functional.silu(g) * u, down[topk_ids].float())
+    gate_up, down = dequantize(gate_up, gate_up_scale), dequantize(down, down_scale)
+    g, u = torch.einsum("td,tkhd->tkh", xf, gate_up[topk_ids]).chunk(2, dim=-1)
+    y = torch.einsum("tkh,tkdh->tkd", torch.nn.functional.silu(g) * u, down[topk_ids])
     return (y * topk_weights.float()[..., None]).sum(1).to(x.dtype).view(x.shape)
 
 
@@ -430,16 +432,42 @@ def test_moe_router_outputs_are_the_models(ref_ops: dict[str, int]) -> None:
     assert rel_err(got.aux_loss, want.aux_loss) <= 1e-5
 
 
-@pytest.mark.parametrize(("kind", "family"), [("mixtral", "mixtral"),
-                                              ("qwen3-moe", "qwen3_moe")])
-def test_moe_fp8_weights_refused(kind: str, family: str, ref_ops: dict[str, int]) -> None:
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
+def test_moe_fp8_weights(kind: str, ref_ops: dict[str, int],
+                         capsys: pytest.CaptureFixture) -> None:
+    """FP8 experts (a scale per expert and output channel) and projections match the model
+    whose weights are the dequantized FP8 values; Qwen3-MoE's dense layer quantized as Llama's;
+    the router stays 16-bit; FP8 activations are refused for the experts' weight-only kernel."""
     model = tiny(kind)
-    before = snapshot(model)
-    with pytest.raises(ValueError, match=rf"fusetune.patch \({family}\): weights='fp8-e4m3'; "
-                                         r"the experts .* no FP8 path, so .* take weights=None "
-                                         r"\(their own 16-bit weights\)"):
-        fusetune.patch(model, weights="fp8-e4m3")
-    assert_untouched(model, before)
+    dequantized = copy.deepcopy(model)
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    with torch.no_grad():
+        for name, module in dequantized.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in projections and isinstance(module, torch.nn.Linear):
+                wq, scale = quantize_fp8(module.weight, "e4m3")
+                module.weight.copy_(dequantize(wq, scale))
+            elif leaf == "experts":
+                for attr in ("gate_up_proj", "down_proj"):
+                    w = getattr(module, attr)
+                    w.copy_(dequantize(*quantize_fp8(w, "e4m3")))
+    ids, mask = prompts()
+    router = [layer.mlp.gate.weight.clone() for layer in model.model.layers
+              if hasattr(layer.mlp, "experts")]
+    fusetune.patch(model, weights="fp8-e4m3")
+    assert "projection weights as fp8-e4m3" in capsys.readouterr().out
+    sparse = [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert len(sparse) == (1 if kind == "qwen3-moe" else 2)  # (Qwen3-MoE's layer 1 is dense)
+    for layer, weight in zip(sparse, router, strict=True):
+        experts = layer.mlp.experts
+        assert experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        assert experts.down_proj_scale.shape == experts.down_proj.shape[:2]
+        assert torch.equal(layer.mlp.gate.weight, weight)  # the router as it was
+    assert rel_err(logits(model, ids, mask), logits(dequantized, ids, mask)) <= 1e-5
+    assert ref_ops["moe"] > 0
+    with pytest.raises(ValueError, match=r"activations='fp8'; the experts .* weight-only, so "
+                                         r".* take activations=None"):
+        fusetune.patch(tiny(kind), weights="fp8-e4m3", activations="fp8")
 
 
 def test_moe_gradients_refused(ref_ops: dict[str, int]) -> None:
@@ -483,8 +511,9 @@ def test_real_ops_match_the_model(kind: str) -> None:
 
 
 @pytest.mark.slow
-def test_real_ops_fp8_weights() -> None:
-    model = tiny("llama")
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_real_ops_fp8_weights(kind: str) -> None:
+    model = tiny(kind)
     ids, mask = prompts()
     want = logits(model, ids, mask)
     fusetune.patch(model, weights="fp8-e4m3")
@@ -684,8 +713,8 @@ def test_self_check_covers_the_experts(ref_ops: dict[str, int],
     """Experts that ignore the router's weights fail the check of a sparse layer."""
     ops = importlib.import_module("fusetune.ops")
     right = ops.moe
-    monkeypatch.setattr(ops, "moe", lambda x, gate_up, down, ids, weights: right(
-        x, gate_up, down, ids, torch.ones_like(weights)))
+    monkeypatch.setattr(ops, "moe", lambda x, gate_up, down, ids, weights, **scales: right(
+        x, gate_up, down, ids, torch.ones_like(weights), **scales))
     model = tiny("qwen3-moe")
     before = snapshot(model)
     with pytest.raises(SelfCheckError, match=r"qwen3_moe\): layer 0 \(Qwen3MoeDecoderLayer\), 5 "

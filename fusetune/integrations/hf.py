@@ -23,8 +23,8 @@ parameter is replaced (unless weights are FP8):
   residual add -> `ops.linear` (Phi-3's residual dropouts, where they drop, before the add);
   a mixture-of-experts layer's post_attention_layernorm -> `ops.rmsnorm`, the block's own
   router module (the model's softmax, top-k and normalization: its ids and weights as they
-  are), the experts -> `ops.moe`, then the residual add (no FP8 weights, no training path:
-  fusetune.moe has neither); Qwen3-MoE's dense layers as Llama's;
+  are), the experts -> `ops.moe`, then the residual add (FP8 experts weight-only; no training
+  path: fusetune.moe has no backward); Qwen3-MoE's dense layers as Llama's;
 - the final norm -> `ops.rmsnorm`.
 
 With gradients recorded, each patched layer runs its training path instead: fusetune.rmsnorm,
@@ -215,13 +215,14 @@ def patch(model: nn.Module, *, weights: str | None = None, activations: str | No
     weights: None keeps the model's weights; "fp8-e4m3" or "fp8-e5m2" quantizes every
     projection (q, k, v, o, gate, up, down) once, with one float32 scale per output channel
     (`fusetune.quantize_fp8`), frees the 16-bit copies and prints the memory before and after.
-    Mixtral and Qwen3-MoE take None only (fusetune.moe has no FP8 path; ValueError).
+    Mixtral's and Qwen3-MoE's experts are quantized per expert and output channel too.
 
     activations: None keeps the activations in the model's dtype: FP8 weights are then
     weight-only, and every projection matches the dequantized weights within the 16-bit
     tolerance. "fp8" (with FP8 weights, on GPUs with FP8 tensor cores) rounds each
     projection's input to e4m3 per row as well: faster products at prefill, a few percent of
-    error per projection. Only the caller chooses it; no table or tuned config can.
+    error per projection. Only the caller chooses it; no table or tuned config can. Mixtral and
+    Qwen3-MoE take None only (the experts' kernel is weight-only; ValueError).
 
     Everything is checked before anything changes: an unsupported model raises ValueError and is
     left as it was.
@@ -257,10 +258,10 @@ def patch(model: nn.Module, *, weights: str | None = None, activations: str | No
         state: PatchState = getattr(base, _STATE)
         raise ValueError(f"fusetune.patch: this {type(model).__name__} is patched already "
                          f"(weights={state.weights or None!r}); fusetune.unpatch(model) first")
-    if weights and family.moe:
-        raise ValueError(f"fusetune.patch ({family.name}): weights={weights!r}; the experts of "
-                         f"a mixture-of-experts layer (fusetune.moe) have no FP8 path, so "
-                         f"{family.name} models take weights=None (their own 16-bit weights)")
+    if activations and family.moe:
+        raise ValueError(f"fusetune.patch ({family.name}): activations={activations!r}; the "
+                         f"experts of a mixture-of-experts layer (fusetune.moe) take FP8 weights "
+                         f"weight-only, so {family.name} models take activations=None")
     _check(family, base)
     from fusetune import ops  # fails here, not in the first forward, if missing
 
@@ -674,30 +675,42 @@ def _unstack_projections(base: nn.Module, family: Family) -> None:
 
 @torch.no_grad()
 def _quantize(base: nn.Module, family: Family, fmt: str) -> None:
-    """Every projection's weight -> buffers `weight` (FP8) and `weight_scale` (float32 [out]),
-    one projection at a time so that the extra memory is one projection's."""
+    """Every projection's weight -> buffers `weight` (FP8) and `weight_scale` (float32 [out]);
+    a mixture-of-experts layer's experts -> buffers `gate_up_proj`, `down_proj` (FP8) and
+    `gate_up_proj_scale`, `down_proj_scale` (float32, per expert and output channel). One
+    tensor at a time, so that the extra memory is one tensor's."""
     from fusetune.kernels.fp8 import quantize_fp8
 
-    assert not family.moe, "patch refuses FP8 weights for mixture-of-experts families"
-    before = after = count = 0
-    total = len(base.layers) * len(family.projections)
+    targets = []  # (where, module, attribute, name of its scale)
     for i, layer in enumerate(base.layers):
+        sparse = family.sparse(layer)
         for parent, name in family.projections:
+            if parent == "mlp" and sparse:
+                continue
             lin = getattr(getattr(layer, parent), name)
-            w = lin.weight
-            try:
-                wq, scale = quantize_fp8(w, fmt)
-            except (ValueError, TypeError, RuntimeError) as e:
-                raise RuntimeError(
-                    f"fusetune.patch: quantizing layer {i}'s {parent}.{name} to fp8-{fmt} "
-                    f"failed ({e}); {count} of {total} projections were converted already, so "
-                    "the model is neither patched nor as it was: load it again") from e
-            before += w.numel() * w.element_size()
-            after += wq.numel() * wq.element_size() + scale.numel() * scale.element_size()
-            del lin.weight, w  # the Parameter: nothing else holds the 16-bit tensor now
-            lin.register_buffer("weight", wq)
-            lin.register_buffer("weight_scale", scale)
-            count += 1
+            targets.append((f"layer {i}'s {parent}.{name}", lin, "weight", "weight_scale"))
+        if sparse:
+            experts = layer.mlp.experts
+            for name in ("gate_up_proj", "down_proj"):
+                targets.append((f"layer {i}'s mlp.experts.{name}", experts, name,
+                                f"{name}_scale"))
+    before = after = count = 0
+    for where, module, attr, scale_attr in targets:
+        w = getattr(module, attr)
+        try:
+            wq, scale = quantize_fp8(w, fmt)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise RuntimeError(
+                f"fusetune.patch: quantizing {where} to fp8-{fmt} failed ({e}); {count} of "
+                f"{len(targets)} projections were converted already, so the model is neither "
+                "patched nor as it was: load it again") from e
+        before += w.numel() * w.element_size()
+        after += wq.numel() * wq.element_size() + scale.numel() * scale.element_size()
+        delattr(module, attr)
+        del w  # the Parameter: nothing else holds the 16-bit tensor now
+        module.register_buffer(attr, wq)
+        module.register_buffer(scale_attr, scale)
+        count += 1
     print(f"fusetune.patch: {count} projection weights as fp8-{fmt}: {before / 2**20:.1f} MiB "
           f"-> {after / 2**20:.1f} MiB (FP8 values and one float32 scale per output channel)")
 
@@ -889,7 +902,7 @@ def _layer_forward(family: Family, api: CacheApi, fp8: bool, act: bool = False,
             if _wants_grad(self, hidden_states, fp8):
                 _no_backward(family, self, sparse=True)
             h = ops.rmsnorm(hidden_states, _norm_weight(norm, family), _eps(norm))
-            return hidden_states + _experts(self.mlp, h)
+            return hidden_states + _experts(self.mlp, h, fp8)
         down = self.mlp.down_proj
         (gate, up), (s_gate, s_up) = _gate_up_tensors(self.mlp, family, fp8)
         if _wants_grad(self, hidden_states, fp8):
@@ -915,11 +928,12 @@ def _layer_forward(family: Family, api: CacheApi, fp8: bool, act: bool = False,
     return forward
 
 
-def _experts(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def _experts(mlp: nn.Module, h: torch.Tensor, fp8: bool = False) -> torch.Tensor:
     """A mixture-of-experts block (<prefix>SparseMoeBlock) on its normalized input `h`: the
     block's own router module picks each token's experts and weights (its softmax, top-k and
     normalization, as the installed transformers computes them; its output recorded as the
-    model records it, for output_router_logits), then the experts through `ops.moe`."""
+    model records it, for output_router_logits), then the experts through `ops.moe` (`fp8`:
+    their FP8 weights with the scales `_quantize` stored beside them)."""
     from fusetune import ops
 
     shape = h.shape
@@ -929,7 +943,9 @@ def _experts(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
     h = h.view(-1, shape[-1])
     _, weights, ids = mlp.gate(h)
     experts = mlp.experts
-    return ops.moe(h, experts.gate_up_proj, experts.down_proj, ids, weights).view(shape)
+    scales = ((experts.gate_up_proj_scale, experts.down_proj_scale) if fp8 else (None, None))
+    return ops.moe(h, experts.gate_up_proj, experts.down_proj, ids, weights,
+                   gate_up_scale=scales[0], down_scale=scales[1]).view(shape)
 
 
 def _norm_forward(family: Family) -> Callable[..., Any]:
