@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetune
-from benchmarks.timing import BW_TBS, heading, parser, report, run, start
+from benchmarks.timing import heading, median_us, parser, report, run, start
 from fusetune.kernels import fp8
 from fusetune.kernels.moe import SPEC, _reference
 from fusetune.models import preset
@@ -118,6 +118,14 @@ def make_case(rows: int, dims: dict[str, int], dtype: str, weights: str,
             "weight_bytes": weight_bytes}
 
 
+def copy_tbs() -> float:
+    """This GPU's device-to-device copy rate in this run, TB/s of bytes read and written (a
+    1 GiB tensor): the floors' bandwidth."""
+    src = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / median_us(lambda: dst.copy_(src)) / 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__, IMPLS)
     ap.add_argument("--model", default="mixtral-8x7b")
@@ -133,15 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     cases = [make_case(int(m), dims, dt, args.weights, gpu)
              for dt in args.dtype.split(",") for m in args.rows.split(",")]
     medians, host = run(args, cases)
+    bw = copy_tbs()
     impls = args.impls.split(",")
-    head = heading(gpu, f"{args.model} experts {dims}", graphs=not args.no_graph)
+    head = heading(gpu, f"{args.model} experts {dims}; weights floor: the routed experts' "
+                        f"bytes at this run's copy rate, {bw:.2f} TB/s", graphs=not args.no_graph)
     cols = ["dtype", "tokens", "weights floor µs", *impls, "tuned / grouped_mm",
             "tuned / fastest transformers",
-            "weights TB/s (tuned)", "tuned config " + "/".join(SPEC.config_keys)]
+            "weights TB/s (tuned)", "floor / tuned", "tuned config " + "/".join(SPEC.config_keys)]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     raw = []
     for case, t in zip(cases, medians, strict=True):
-        floor = case["weight_bytes"] / (BW_TBS * 1e6)
+        floor = case["weight_bytes"] / (bw * 1e6)
         tuned, base = t.get("tuned"), t.get("grouped_mm")
         hf = [v for k, v in t.items() if k.startswith("hf-") and v is not None]
         cells = [case["dtype"], case["label"], f"{floor:.1f}",
@@ -149,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{tuned / base:.2f}" if tuned and base else "-",
                  f"{tuned / min(hf):.2f}" if tuned and hf else "-",
                  f"{case['weight_bytes'] / tuned / 1e6:.2f}" if tuned else "-",
+                 f"{floor / tuned:.0%}" if tuned else "-",
                  "/".join(str(case["tuned_cfg"][k]) for k in SPEC.config_keys)]
         lines.append("| " + " | ".join(cells) + " |")
         raw.append({"dtype": case["dtype"], "tokens": case["label"], "us": t,
