@@ -350,9 +350,18 @@ def _launch(inputs: Tensors, outputs: Tensors, config: Config) -> None:
 def _default_config(point: Point, gpu: GpuSpec) -> Config:
     # Rows per expert block: few tokens reach an expert at decode (the smallest tensor-core
     # tile), many at prefill.
-    pairs_per_expert = point.rows * point.dim["top_k"] / max(1, point.dim["experts"])
+    dm = point.dim
+    pairs_per_expert = point.rows * dm["top_k"] / max(1, dm["experts"])
     bm = 16 if pairs_per_expert <= 16 else 32 if pairs_per_expert <= 64 else 64
     c = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+    # At decode only the routed experts' blocks work: narrower column tiles until the launch
+    # with fewer columns has about two programs per SM, each streaming its rows of the
+    # weights, with longer K-steps for the narrower tiles.
+    active = min(dm["experts"], point.rows * dm["top_k"])
+    while c["BLOCK_N"] > 16 and active * cdiv(min(dm["dim"], dm["hidden"]),
+                                              c["BLOCK_N"]) < 2 * gpu.sms:
+        c["BLOCK_N"] //= 2
+        c["BLOCK_K"] = 128
     while c["num_stages"] > 1 and _resources(c, point).smem_bytes > gpu.smem_per_block:
         c["num_stages"] -= 1
     return c
