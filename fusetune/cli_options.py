@@ -127,7 +127,8 @@ _GPU_AND_MODEL = (
                  help="The dims' model: a preset (llama-2-7b, llama-3-8b, llama-3-70b, "
                       "mistral-7b, qwen2.5-7b, phi-3-mini, mixtral-8x7b, ...) or a Hugging "
                       "Face model directory or its config.json (Llama, Mistral, Qwen2, Qwen3, "
-                      "Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE; read locally, no weights). "
+                      "Gemma 2/3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE; read locally, no "
+                      "weights). "
                       "Default: "
                       f"{DEFAULT_GRID['model']}."),
 )

@@ -29,6 +29,7 @@ class ModelPreset:
     top_k: int = 0  # the experts each token is routed to
     expert_hidden: int = 0  # an expert's feed-forward width
     dense_layers: int = 0  # of a mixture-of-experts model: the layers with a dense MLP (`hidden`)
+    shared_hidden: int = 0  # Qwen2-MoE: the shared expert's feed-forward width (0: none)
     dtype: str = "bfloat16"  # the dtype the model ships in
 
 
@@ -61,6 +62,9 @@ PRESETS: dict[str, ModelPreset] = {
                     head_dim=128, norm_eps=1e-5, experts=8, top_k=2, expert_hidden=14336),
         ModelPreset("qwen3-30b-a3b", dim=2048, hidden=6144, n_heads=32, n_kv_heads=4,
                     head_dim=128, qk_norm=True, experts=128, top_k=8, expert_hidden=768),
+        ModelPreset("qwen1.5-moe-a2.7b", dim=2048, hidden=5632, n_heads=16, n_kv_heads=16,
+                    head_dim=128, qkv_bias=True, experts=60, top_k=4, expert_hidden=1408,
+                    shared_hidden=5632),
         ModelPreset("gpt2", dim=768, hidden=3072, n_heads=12, n_kv_heads=12, head_dim=64,
                     dtype="float32"),
         # Small enough for Triton's CPU interpreter (the default grid without a GPU).
@@ -70,7 +74,7 @@ PRESETS: dict[str, ModelPreset] = {
 }
 # Model types whose config.json fusetune reads: the families fusetune.patch runs.
 CONFIG_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
-                "qwen3_moe")
+                "qwen2_moe", "qwen3_moe")
 GEMMA = ("gemma2", "gemma3_text")
 
 
@@ -137,25 +141,29 @@ def from_hf_config(config: Mapping[str, Any], source: str) -> ModelPreset:
     if dtype not in ("float16", "bfloat16", "float32"):
         raise ModelError(f"{source}: torch_dtype {dtype!r}; expected float16, bfloat16 or "
                          "float32")
-    experts = top_k = expert_hidden = dense_layers = 0
+    experts = top_k = expert_hidden = dense_layers = shared_hidden = 0
     if model_type == "mixtral":  # every layer sparse; intermediate_size is an expert's
         experts, top_k = field("num_local_experts"), field("num_experts_per_tok")
         expert_hidden = field("intermediate_size")
-    elif model_type == "qwen3_moe" and config.get("num_experts"):
+    elif model_type in ("qwen2_moe", "qwen3_moe") and config.get("num_experts"):
         experts, top_k = field("num_experts"), field("num_experts_per_tok")
         expert_hidden = field("moe_intermediate_size")
-        # a layer's MLP as Qwen3MoeDecoderLayer chooses it
+        if model_type == "qwen2_moe":
+            shared_hidden = field("shared_expert_intermediate_size")
+        # a layer's MLP as Qwen2MoeDecoderLayer and Qwen3MoeDecoderLayer choose it
         step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or []
         dense_layers = sum(i in dense or (i + 1) % step != 0
                            for i in range(field("num_hidden_layers")))
     return ModelPreset(
         name=str(config.get("_name_or_path") or Path(source).parent.name or model_type),
         dim=dim, hidden=field("intermediate_size"), n_heads=n_heads, n_kv_heads=int(n_kv),
-        head_dim=int(head_dim), norm_eps=float(eps), qkv_bias=model_type == "qwen2",
+        head_dim=int(head_dim), norm_eps=float(eps),
+        qkv_bias=model_type == "qwen2" or (model_type == "qwen2_moe"
+                                           and config.get("qkv_bias", True) is not False),
         qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
         post_norms=model_type in GEMMA, mlp_act="gelu_tanh" if model_type in GEMMA else "silu",
         experts=experts, top_k=top_k, expert_hidden=expert_hidden, dense_layers=dense_layers,
-        dtype=dtype)
+        shared_hidden=shared_hidden, dtype=dtype)
 
 
 # The kernels a patched model launches (fusetune.patch), and their dims in it.
@@ -172,7 +180,8 @@ def patched_dims(model: ModelPreset) -> dict[str, list[dict[str, int]]]:
     A mixture-of-experts model's sparse layers run `moe` (the router's chosen experts, down_proj
     included; the residual added after it) where a dense MLP runs ffn and down_proj's linear:
     those only where it has dense layers too. Their norm before the router is the rmsnorm of
-    the same dims as the final one."""
+    the same dims as the final one. Qwen2-MoE's shared expert runs ffn (hidden: its width) and
+    its down_proj's linear without the residual (its output is gated, then added)."""
     residual = 0 if model.post_norms else 1
     dense = not model.experts or model.dense_layers > 0
     dims = {
@@ -195,6 +204,10 @@ def patched_dims(model: ModelPreset) -> dict[str, list[dict[str, int]]]:
     if not dense:
         del dims["ffn"]
         dims["linear"] = dims["linear"][:1]  # o_proj
+    if model.experts and model.shared_hidden:
+        dims.setdefault("ffn", []).append({"dim": model.dim, "hidden": model.shared_hidden})
+        dims["linear"].append({"dim": model.shared_hidden, "out": model.dim, "bias": 0,
+                               "residual": 0})
     return dims
 
 
@@ -228,9 +241,10 @@ def trained_dims(model: ModelPreset) -> dict[str, list[tuple[str, dict[str, int]
 
 
 # What each inference kernel's dims stand for in a decoder layer (linear: two projections, o_proj
-# alone in a mixture-of-experts model without dense layers).
+# alone in a mixture-of-experts model without dense layers; a shared expert's after those).
 PATCH_USES = {"qkv": ("qkv",), "ffn": ("gate_up",), "moe": ("experts",),
               "linear": ("o_proj", "down_proj"), "rmsnorm": ("norm",)}
+SHARED_USES = {"ffn": "shared_gate_up", "linear": "shared_down_proj"}
 
 
 def launched_dims(model: ModelPreset, training: bool = False
@@ -243,6 +257,10 @@ def launched_dims(model: ModelPreset, training: bool = False
         return trained_dims(model)
     dims = patched_dims(model)
     uses = {**PATCH_USES, "rmsnorm": ("norm", "post_norm")}
+    if model.experts and model.shared_hidden:  # the shared expert's dims come last
+        dense = 1 if model.dense_layers else 0
+        uses = {**uses, "ffn": (*uses["ffn"][:dense], SHARED_USES["ffn"]),
+                "linear": (*uses["linear"][:1 + dense], SHARED_USES["linear"])}
     return {k: list(zip(uses[k][:len(dims[k])], dims[k], strict=True))
             for k in PATCH_KERNELS if k in dims}
 

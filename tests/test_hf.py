@@ -177,8 +177,18 @@ CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "qwen3-moe-unnormed": lambda: transformers.Qwen3MoeConfig(
         **SMALL, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=False),
+    # Qwen2's attention (q/k/v biases); 4 experts, top 2 as the softmax gives them (the
+    # config's norm_topk_prob default); a shared expert of another width, sigmoid-gated
+    "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**SMALL, num_experts=4,
+                                                     num_experts_per_tok=2,
+                                                     moe_intermediate_size=32,
+                                                     shared_expert_intermediate_size=48),
+    # top 2 renormalized; layer 1 a dense MLP (mlp_only_layers)
+    "qwen2-moe-dense": lambda: transformers.Qwen2MoeConfig(
+        **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1]),
 }
-MOE = ("mixtral", "qwen3-moe", "qwen3-moe-unnormed")
+MOE = ("mixtral", "qwen2-moe", "qwen2-moe-dense", "qwen3-moe", "qwen3-moe-unnormed")
 
 
 def tiny(kind: str, **overrides) -> transformers.PreTrainedModel:
@@ -254,17 +264,22 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
     got = logits(model, ids, mask)
     n_layers = model.config.num_hidden_layers
     sparse = sum(hasattr(layer.mlp, "experts") for layer in model.model.layers)
-    assert sparse == (n_layers - (kind == "qwen3-moe") if kind in MOE else 0)
+    mlp_only = len(getattr(model.config, "mlp_only_layers", None) or [])
+    assert sparse == (n_layers - mlp_only if kind in MOE else 0)
     dense = n_layers - sparse
+    # Qwen2-MoE: each sparse layer's shared expert runs ffn and linear as a dense MLP does
+    shared = sparse if kind.startswith("qwen2-moe") else 0
     # + Gemma's post-norms; a sparse layer's norm before its router is an rmsnorm of its own
     norms = 1 + (2 * n_layers if kind.startswith("gemma") else 0) + sparse
-    assert ref_ops == {"qkv": n_layers, "ffn": dense, "linear": n_layers + dense,
-                       "rmsnorm": norms, "moe": sparse}
+    assert ref_ops == {"qkv": n_layers, "ffn": dense + shared,
+                       "linear": n_layers + dense + shared, "rmsnorm": norms, "moe": sparse}
     assert rel_err(got, want_logits) <= 1e-5
     assert torch.equal(greedy(model, ids, mask), want_tokens)
     # gate and up: the halves of one matrix (the unfused ffn's one GEMM), q, k, v (and their
     # biases) the rows of one, no copy kept
-    mlps = [layer.mlp for layer in model.model.layers if not hasattr(layer.mlp, "experts")]
+    mlps = [getattr(layer.mlp, "shared_expert", layer.mlp) for layer in model.model.layers
+            if not hasattr(layer.mlp, "experts") or hasattr(layer.mlp, "shared_expert")]
+    assert len(mlps) == dense + shared
     assert kind.startswith("phi3") or all(
         _unfused.stacked(m.gate_proj.weight, m.up_proj.weight) is not None for m in mlps)
     attns = [layer.self_attn for layer in model.model.layers]
@@ -286,7 +301,8 @@ def test_wiring_matches_the_model(kind: str, ref_ops: dict[str, int]) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                  "phi3", "mixtral", "qwen3-moe"])
+                                  "phi3", "mixtral", "qwen2-moe", "qwen2-moe-dense",
+                                  "qwen3-moe"])
 def test_static_cache_generate(kind: str, ref_ops: dict[str, int]) -> None:
     model = tiny(kind)
     ids, mask = prompts()
@@ -296,7 +312,8 @@ def test_static_cache_generate(kind: str, ref_ops: dict[str, int]) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                  "phi3", "mixtral", "qwen3-moe"])
+                                  "phi3", "mixtral", "qwen2-moe", "qwen2-moe-dense",
+                                  "qwen3-moe"])
 def test_cached_decode_step_matches_a_full_forward(kind: str, ref_ops: dict[str, int]) -> None:
     """The next token's logits from the KV cache of the prompt equal those of one forward over
     the prompt and that token: the cache is filled and read (a forward that misses the cache's
@@ -432,12 +449,13 @@ def test_moe_router_outputs_are_the_models(ref_ops: dict[str, int]) -> None:
     assert rel_err(got.aux_loss, want.aux_loss) <= 1e-5
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2-moe", "qwen2-moe-dense", "qwen3-moe"])
 def test_moe_fp8_weights(kind: str, ref_ops: dict[str, int],
                          capsys: pytest.CaptureFixture) -> None:
     """FP8 experts (a scale per expert and output channel) and projections match the model
-    whose weights are the dequantized FP8 values; Qwen3-MoE's dense layer quantized as Llama's;
-    the router stays 16-bit; FP8 activations are refused for the experts' weight-only kernel."""
+    whose weights are the dequantized FP8 values; the dense layers and Qwen2-MoE's shared
+    experts quantized as Llama's MLP; the routers and the shared experts' gates stay 16-bit; FP8
+    activations are refused for the experts' weight-only kernel."""
     model = tiny(kind)
     dequantized = copy.deepcopy(model)
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -455,14 +473,24 @@ def test_moe_fp8_weights(kind: str, ref_ops: dict[str, int],
     router = [layer.mlp.gate.weight.clone() for layer in model.model.layers
               if hasattr(layer.mlp, "experts")]
     fusetune.patch(model, weights="fp8-e4m3")
-    assert "projection weights as fp8-e4m3" in capsys.readouterr().out
     sparse = [layer for layer in model.model.layers if hasattr(layer.mlp, "experts")]
-    assert len(sparse) == (1 if kind == "qwen3-moe" else 2)  # (Qwen3-MoE's layer 1 is dense)
+    dense = model.config.num_hidden_layers - len(sparse)
+    assert dense == (1 if kind in ("qwen3-moe", "qwen2-moe-dense") else 0)  # mlp_only_layers
+    shared = len(sparse) if kind.startswith("qwen2-moe") else 0
+    # 4 attention projections a layer, 3 of each dense MLP and shared expert, 2 of the experts
+    count = 6 * len(sparse) + 7 * dense + 3 * shared
+    assert f"{count} projection weights as fp8-e4m3" in capsys.readouterr().out
     for layer, weight in zip(sparse, router, strict=True):
         experts = layer.mlp.experts
         assert experts.gate_up_proj.dtype == torch.float8_e4m3fn
         assert experts.down_proj_scale.shape == experts.down_proj.shape[:2]
         assert torch.equal(layer.mlp.gate.weight, weight)  # the router as it was
+        if shared:
+            lins = [getattr(layer.mlp.shared_expert, n)
+                    for n in ("gate_proj", "up_proj", "down_proj")]
+            assert all(lin.weight.dtype == torch.float8_e4m3fn for lin in lins)
+            assert _unfused.stacked(lins[0].weight, lins[1].weight) is not None
+            assert layer.mlp.shared_expert_gate.weight.dtype == torch.float32
     assert rel_err(logits(model, ids, mask), logits(dequantized, ids, mask)) <= 1e-5
     assert ref_ops["moe"] > 0
     with pytest.raises(ValueError, match=r"activations='fp8'; the experts .* weight-only, so "
@@ -470,16 +498,61 @@ def test_moe_fp8_weights(kind: str, ref_ops: dict[str, int],
         fusetune.patch(tiny(kind), weights="fp8-e4m3", activations="fp8")
 
 
-def test_moe_gradients_refused(ref_ops: dict[str, int]) -> None:
+@pytest.mark.parametrize(("kind", "layer"), [("mixtral", r"MixtralDecoderLayer \(mixtral"),
+                                             ("qwen2-moe", r"Qwen2MoeDecoderLayer \(qwen2_moe")])
+def test_moe_gradients_refused(kind: str, layer: str, ref_ops: dict[str, int]) -> None:
     # fusetune.moe has no backward kernel: a sparse layer refuses gradients with a message
     # (and runs under no_grad as ever).
-    model = fusetune.patch(tiny("mixtral"))
+    model = fusetune.patch(tiny(kind))
     ids, mask = prompts()
-    with pytest.raises(RuntimeError, match=r"MixtralDecoderLayer \(mixtral\) has no backward "
-                                           r"pass \(its experts \(fusetune.moe\) have no "
-                                           r"backward kernel\)"):
+    with pytest.raises(RuntimeError, match=layer + r"\) has no backward pass \(its experts "
+                                           r"\(fusetune.moe\) have no backward kernel\)"):
         model(input_ids=ids, attention_mask=mask, labels=ids)
     logits(model, ids, mask)
+
+
+def test_moe_shared_expert_gate_matters(ref_ops: dict[str, int]) -> None:
+    """Qwen2-MoE's shared expert counts by sigmoid(shared_expert_gate(h)): another gate weight
+    changes the patched logits as it changes the model's own."""
+    ids, mask = prompts()
+    model = tiny("qwen2-moe")
+    before = logits(model, ids, mask)
+    fusetune.patch(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.shared_expert_gate.weight.mul_(-3.0).add_(0.5)
+    got = logits(model, ids, mask)
+    fusetune.unpatch(model)
+    want = logits(model, ids, mask)
+    assert rel_err(want, before) > 1e-2
+    assert rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda mlp: setattr(mlp, "shared_expert_gate", torch.nn.Linear(64, 1)),
+     r"layer 0: mlp.shared_expert_gate is a Linear \(weight \(1, 64\), bias True\); expected an "
+     r"nn.Linear 64 -> 1 without bias"),
+    (lambda mlp: setattr(mlp.shared_expert, "up_proj", torch.nn.Linear(64, 40, bias=False)),
+     r"layer 0: mlp.shared_expert: up_proj is 40×64 Linear, expected an nn.Linear 48×64 "
+     r"\(shared_expert_intermediate_size 48\)"),
+    (lambda mlp: setattr(mlp.shared_expert, "down_proj", torch.nn.Linear(48, 64)),
+     r"layer 0: shared_expert.down_proj with bias"),
+    (lambda mlp: delattr(mlp, "shared_expert"),
+     r"layer 0: mlp.shared_expert is a NoneType, expected the shared expert's MLP"),
+])
+def test_moe_unsupported_shared_expert(change: Callable, message: str,
+                                       ref_ops: dict[str, int]) -> None:
+    model = tiny("qwen2-moe")
+    change(model.model.layers[0].mlp)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        fusetune.patch(model)
+    assert_untouched(model, before)
+    mixtral = tiny("mixtral")  # a block the family's layer does not run
+    mixtral.model.layers[1].mlp.shared_expert = torch.nn.Linear(64, 64)
+    with pytest.raises(ValueError, match=r"layer 1: the block has a shared expert; mixtral "
+                                         r"blocks have none"):
+        fusetune.patch(mixtral)
 
 
 def test_moe_unsupported_experts(ref_ops: dict[str, int]) -> None:
@@ -706,18 +779,36 @@ def test_self_check_covers_each_layer_kind(ref_ops: dict[str, int]) -> None:
     assert layer_kinds(tiny("llama").model) == [0]
     assert layer_kinds(tiny("qwen3-moe").model) == [0, 1]  # sparse, then dense
     assert layer_kinds(tiny("mixtral").model) == [0]
+    assert layer_kinds(tiny("qwen2-moe-dense").model) == [0, 1]
 
 
-def test_self_check_covers_the_experts(ref_ops: dict[str, int],
+@pytest.mark.parametrize(("kind", "name"), [("qwen3-moe", r"qwen3_moe\): layer 0 \(Qwen3Moe"),
+                                           ("qwen2-moe", r"qwen2_moe\): layer 0 \(Qwen2Moe")])
+def test_self_check_covers_the_experts(kind: str, name: str, ref_ops: dict[str, int],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Experts that ignore the router's weights fail the check of a sparse layer."""
     ops = importlib.import_module("fusetune.ops")
     right = ops.moe
     monkeypatch.setattr(ops, "moe", lambda x, gate_up, down, ids, weights, **scales: right(
         x, gate_up, down, ids, torch.ones_like(weights), **scales))
-    model = tiny("qwen3-moe")
+    model = tiny(kind)
     before = snapshot(model)
-    with pytest.raises(SelfCheckError, match=r"qwen3_moe\): layer 0 \(Qwen3MoeDecoderLayer\), 5 "
+    with pytest.raises(SelfCheckError, match=name + r"DecoderLayer\), 5 prompt tokens: the "
+                                                    r"patched output differs by"):
+        fusetune.patch(model)
+    assert_untouched(model, before)
+
+
+def test_self_check_covers_the_shared_expert(ref_ops: dict[str, int],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared expert whose gate is left out (ffn's output halved: about what sigmoid does to
+    it) fails the check of a Qwen2-MoE sparse layer; the routed experts are as they should be."""
+    ops = importlib.import_module("fusetune.ops")
+    right = ops.ffn
+    monkeypatch.setattr(ops, "ffn", lambda *args, **kw: 0.5 * right(*args, **kw))
+    model = tiny("qwen2-moe")
+    before = snapshot(model)
+    with pytest.raises(SelfCheckError, match=r"qwen2_moe\): layer 0 \(Qwen2MoeDecoderLayer\), 5 "
                                              r"prompt tokens: the patched output differs by"):
         fusetune.patch(model)
     assert_untouched(model, before)

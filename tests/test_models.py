@@ -161,6 +161,50 @@ def test_qwen3_moe_dense_layers(tmp_path: Path) -> None:
     assert dense.experts == 0 and "moe" not in patched_dims(dense)
 
 
+# Qwen1.5-MoE-A2.7B's config.json (Qwen/Qwen1.5-MoE-A2.7B): every layer sparse, with a shared
+# expert beside the 60 routed ones
+QWEN2_MOE = {"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632,
+             "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+             "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+             "num_experts_per_tok": 4, "num_hidden_layers": 24, "decoder_sparse_step": 1,
+             "mlp_only_layers": [], "norm_topk_prob": False, "rms_norm_eps": 1e-6,
+             "torch_dtype": "bfloat16"}
+
+
+def test_qwen2_moe_config_and_preset(tmp_path: Path) -> None:
+    from fusetune.models import launched_dims
+
+    m = load_model(str(write(tmp_path, QWEN2_MOE)))
+    preset = load_model("qwen1.5-moe-a2.7b")
+    assert (m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.qkv_bias, m.qk_norm) == (
+        2048, 16, 16, 128, True, False)
+    assert (m.experts, m.top_k, m.expert_hidden, m.shared_hidden, m.dense_layers) == (
+        60, 4, 1408, 5632, 0)
+    dims = patched_dims(m)
+    assert dims == patched_dims(preset)
+    assert dims["moe"] == [{"dim": 2048, "experts": 60, "hidden": 1408, "top_k": 4}]
+    # the shared expert: ffn and its down_proj, whose output is gated before it is added
+    assert dims["ffn"] == [{"dim": 2048, "hidden": 5632}]
+    assert dims["linear"] == [{"dim": 2048, "out": 2048, "bias": 0, "residual": 1},
+                              {"dim": 5632, "out": 2048, "bias": 0, "residual": 0}]
+    assert [(k, [u for u, _ in uses]) for k, uses in launched_dims(m).items()] == [
+        ("qkv", ["qkv"]), ("ffn", ["shared_gate_up"]), ("moe", ["experts"]),
+        ("linear", ["o_proj", "shared_down_proj"]), ("rmsnorm", ["norm"])]
+    # a dense layer (mlp_only_layers): its MLP's dims before the shared expert's
+    dense = load_model(str(write(tmp_path, {**QWEN2_MOE, "intermediate_size": 1024,
+                                            "mlp_only_layers": [3]}, "dense")))
+    assert dense.dense_layers == 1
+    assert patched_dims(dense)["ffn"] == [{"dim": 2048, "hidden": 1024},
+                                          {"dim": 2048, "hidden": 5632}]
+    assert [(k, [u for u, _ in uses]) for k, uses in launched_dims(dense).items()][1:4:2] == [
+        ("ffn", ["gate_up", "shared_gate_up"]),
+        ("linear", ["o_proj", "down_proj", "shared_down_proj"])]
+    with pytest.raises(ModelError, match=r"shared_expert_intermediate_size=None; expected a "
+                                         r"positive integer"):
+        load_model(str(write(tmp_path, {k: v for k, v in QWEN2_MOE.items()
+                                         if k != "shared_expert_intermediate_size"}, "bad")))
+
+
 def test_patched_model_points() -> None:
     dims = patched_dims(load_model("llama-3-8b"))
     assert dims["qkv"] == [{"dim": 4096, "head_dim": 128, "interleaved": 0, "n_heads": 32,

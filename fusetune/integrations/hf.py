@@ -6,9 +6,9 @@
     fusetune.unpatch(model)                             # the model's own forwards again
 
 What is swapped, per family (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3, Mixtral,
-Qwen3-MoE): the `forward` of module *instances* (never of the classes, so other models of the
-same family in the process stay as they are), bound with `types.MethodType`; no module and no
-parameter is replaced (unless weights are FP8):
+Qwen2-MoE, Qwen3-MoE): the `forward` of module *instances* (never of the classes, so other
+models of the same family in the process stay as they are), bound with `types.MethodType`; no
+module and no parameter is replaced (unless weights are FP8):
 
 - each attention module: input_layernorm + q/k/v (+ the Qwen2 biases; Qwen3's per-head q_norm
   and k_norm; Phi-3's one qkv_proj as views of its row blocks) + RoPE -> `ops.qkv`, with
@@ -24,7 +24,10 @@ parameter is replaced (unless weights are FP8):
   a mixture-of-experts layer's post_attention_layernorm -> `ops.rmsnorm`, the block's own
   router module (the model's softmax, top-k and normalization: its ids and weights as they
   are), the experts -> `ops.moe`, then the residual add (FP8 experts weight-only; no training
-  path: fusetune.moe has no backward); Qwen3-MoE's dense layers as Llama's;
+  path: fusetune.moe has no backward); Qwen2-MoE's shared expert -> `ops.ffn` (on the layer's
+  input, the norm folded in) and `ops.linear`, times the sigmoid of its gate (the model's
+  shared_expert_gate, a torch matmul), added to the experts' output; the MoE families' dense
+  layers as Llama's;
 - the final norm -> `ops.rmsnorm`.
 
 With gradients recorded, each patched layer runs its training path instead: fusetune.rmsnorm,
@@ -97,10 +100,13 @@ class Family:
     # (hidden_activation); the attention's logit soft-capping passed on as the model does
     gemma: bool = False
     base: str = "Model"  # the base model's class: <prefix><base> (Gemma 3's text model)
-    # Mixtral, Qwen3-MoE: a mixture-of-experts MLP (<prefix>SparseMoeBlock: the router `gate`,
-    # the `experts` with 3-D gate_up_proj and down_proj) on the layers that have one; the
-    # others (Qwen3-MoE's mlp_only_layers) a dense MLP as Llama's
+    # Mixtral, Qwen2-MoE, Qwen3-MoE: a mixture-of-experts MLP (<prefix>SparseMoeBlock: the
+    # router `gate`, the `experts` with 3-D gate_up_proj and down_proj) on the layers that have
+    # one; the others (Qwen2/3-MoE's mlp_only_layers) a dense MLP as Llama's
     moe: bool = False
+    # Qwen2-MoE: the block adds a shared expert (`shared_expert`: an MLP as the dense ones, on
+    # every token) times sigmoid(shared_expert_gate(h)) (`shared_expert_gate`: dim -> 1)
+    shared_expert: bool = False
 
     @property
     def attn_projections(self) -> tuple[str, ...]:
@@ -115,11 +121,15 @@ class Family:
         """Whether `layer`'s MLP is the family's mixture-of-experts block."""
         return self.moe and isinstance(layer.mlp, self.cls("SparseMoeBlock"))
 
-    @property
-    def projections(self) -> tuple[tuple[str, str], ...]:
-        """(parent, name) of every projection of a dense layer: what FP8 weights quantize."""
+    def projections(self, layer: nn.Module) -> tuple[tuple[str, str], ...]:
+        """(parent, name) of every projection of `layer` as nn.Linear modules (parent: the path
+        of their module under the layer): what FP8 weights quantize. A sparse layer's experts
+        are not among them; its shared expert is."""
+        mlp = ("mlp.shared_expert" if self.shared_expert else None) if self.sparse(layer) \
+            else "mlp"
         return (*(("self_attn", n) for n in self.attn_projections), ("self_attn", "o_proj"),
-                *(("mlp", n) for n in self.mlp_projections), ("mlp", "down_proj"))
+                *(() if mlp is None else
+                  (*((mlp, n) for n in self.mlp_projections), (mlp, "down_proj"))))
 
     def modeling(self) -> types.ModuleType:
         return importlib.import_module(f"transformers.models.{self.name}.modeling_{self.name}")
@@ -155,6 +165,10 @@ FAMILIES: tuple[Family, ...] = (
     # Mixtral 8x7B, 8x22B: Mistral's attention, 8 experts, top 2
     Family("mixtral", "Mixtral", qkv_bias=False, rope_types=("default",),
            sliding_window=lambda attn: getattr(attn.config, "sliding_window", None), moe=True),
+    # Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B: Qwen2's attention (which passes no sliding window to
+    # the attention function), 60 or 64 experts, top 4 or 8, a shared expert
+    Family("qwen2_moe", "Qwen2Moe", qkv_bias=True, rope_types=("default", "yarn"), moe=True,
+           shared_expert=True),
     # Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3's attention, 128 experts, top 8
     Family("qwen3_moe", "Qwen3Moe", qkv_bias=False, rope_types=("default", "yarn"),
            sliding_window=lambda attn: attn.sliding_window, qk_norm=True, moe=True),
@@ -209,20 +223,21 @@ class PatchState:
 def patch(model: nn.Module, *, weights: str | None = None, activations: str | None = None,
           verify: bool = True) -> nn.Module:
     """Runs the transformers causal LM `model` (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3,
-    Phi-3, Mixtral, Qwen3-MoE families; also their base models, e.g. LlamaModel) through
+    Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE families; also their base models, e.g. LlamaModel) through
     fusetune's fused ops, in place; returns `model`.
 
     weights: None keeps the model's weights; "fp8-e4m3" or "fp8-e5m2" quantizes every
     projection (q, k, v, o, gate, up, down) once, with one float32 scale per output channel
     (`fusetune.quantize_fp8`), frees the 16-bit copies and prints the memory before and after.
-    Mixtral's and Qwen3-MoE's experts are quantized per expert and output channel too.
+    The experts of Mixtral, Qwen2-MoE and Qwen3-MoE are quantized per expert and output channel
+    too; Qwen2-MoE's shared expert as a dense MLP (its gate and the routers stay 16-bit).
 
     activations: None keeps the activations in the model's dtype: FP8 weights are then
     weight-only, and every projection matches the dequantized weights within the 16-bit
     tolerance. "fp8" (with FP8 weights, on GPUs with FP8 tensor cores) rounds each
     projection's input to e4m3 per row as well: faster products at prefill, a few percent of
-    error per projection. Only the caller chooses it; no table or tuned config can. Mixtral and
-    Qwen3-MoE take None only (the experts' kernel is weight-only; ValueError).
+    error per projection. Only the caller chooses it; no table or tuned config can. The
+    mixture-of-experts families take None only (the experts' kernel is weight-only; ValueError).
 
     Everything is checked before anything changes: an unsupported model raises ValueError and is
     left as it was.
@@ -422,13 +437,9 @@ def _check_layer(family: Family, layer: nn.Module, at: str, rotary: nn.Module) -
     sparse = family.sparse(layer)
     if sparse:
         _check_experts(family, mlp, at, config.hidden_size)
-    hidden = config.intermediate_size
-    for name in () if sparse else family.mlp_projections:
-        lin = getattr(mlp, name)
-        out = 2 * hidden if name == "gate_up_proj" else hidden
-        if lin.out_features != out or lin.in_features != config.hidden_size:
-            raise ValueError(f"{at}: {name} is {lin.out_features}×{lin.in_features}, expected "
-                             f"{out}×{config.hidden_size} (intermediate_size {hidden})")
+    else:
+        _check_mlp(family, mlp, at, config.hidden_size, config.intermediate_size,
+                   "intermediate_size")
     inv_freq = getattr(rotary, f"{getattr(attn, 'layer_type', None)}_inv_freq", None)
     rotary_dim = 2 * (rotary.inv_freq if inv_freq is None else inv_freq).numel()
     if rotary_dim != head_dim:
@@ -440,9 +451,9 @@ def _check_layer(family: Family, layer: nn.Module, at: str, rotary: nn.Module) -
             raise ValueError(f"{at}: {name} {has} a bias; {family.name} q/k/v projections are "
                              f"{'with' if family.qkv_bias else 'without'} bias "
                              "(attention_bias is not supported)")
-    dense = [] if sparse else [*family.mlp_projections, "down_proj"]
-    biased = [n for n, lin in [("o_proj", attn.o_proj), *((n, getattr(mlp, n)) for n in dense)]
-              if lin.bias is not None]
+    biased = [n if p in ("self_attn", "mlp") else f"{p.removeprefix('mlp.')}.{n}"
+              for p, n in family.projections(layer) if n not in family.attn_projections
+              and layer.get_submodule(p).get_submodule(n).bias is not None]
     if biased:
         raise ValueError(f"{at}: {', '.join(biased)} with bias (attention_bias / mlp_bias); "
                          "supported: o_proj and the MLP projections without bias")
@@ -462,6 +473,21 @@ def _check_layer(family: Family, layer: nn.Module, at: str, rotary: nn.Module) -
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for name in norms:
         _check_norm(getattr(layer, name), f"{at}: {name}")
+
+
+def _check_mlp(family: Family, mlp: nn.Module, at: str, dim: int, hidden: int,
+               what: str) -> None:
+    """A gated MLP's projections (a dense layer's MLP, Qwen2-MoE's shared expert `at`) of
+    `hidden` columns (the config's `what`) as nn.Linear modules of the family's names."""
+    for name in (*family.mlp_projections, "down_proj"):
+        lin = getattr(mlp, name, None)
+        out = 2 * hidden if name == "gate_up_proj" else hidden
+        want = (dim, hidden) if name == "down_proj" else (out, dim)
+        got = (getattr(lin, "out_features", None), getattr(lin, "in_features", None))
+        if not isinstance(lin, nn.Linear) or got != want:
+            raise ValueError(f"{at}: {name} is {'×'.join(map(str, got))} "
+                             f"{type(lin).__name__}, expected an nn.Linear "
+                             f"{want[0]}×{want[1]} ({what} {hidden})")
 
 
 # The experts' layout fusetune.moe takes, as transformers' experts decorator
@@ -502,6 +528,24 @@ def _check_experts(family: Family, mlp: nn.Module, at: str, dim: int) -> None:
                          "gated experts without bias, gate rows then up rows, every expert in "
                          f"this process ({', '.join(f'{k}={v}' for k, v in EXPERTS_LAYOUT.items())}"
                          ", parameters gate_up_proj and down_proj)")
+    shared, gate = getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
+    if not family.shared_expert:
+        if shared is not None or gate is not None:
+            raise ValueError(f"{at}: the block has a shared expert; {family.name} blocks have "
+                             "none, and the patched layer would leave it out")
+        return
+    if not isinstance(shared, nn.Module):
+        raise ValueError(f"{at}: mlp.shared_expert is a {type(shared).__name__}, expected the "
+                         f"shared expert's MLP ({family.prefix}MLP)")
+    _check_mlp(family, shared, f"{at}: mlp.shared_expert", dim,
+               getattr(shared.down_proj, "in_features", 0), "shared_expert_intermediate_size")
+    if (not isinstance(gate, nn.Linear) or gate.weight.shape != (1, dim)
+            or gate.bias is not None):
+        shape = tuple(gate.weight.shape) if isinstance(gate, nn.Linear) else None
+        bias = getattr(gate, "bias", None) is not None
+        raise ValueError(f"{at}: mlp.shared_expert_gate is a {type(gate).__name__} (weight "
+                         f"{shape}, bias {bias}); expected an nn.Linear {dim} -> 1 without bias "
+                         "(the sigmoid gate of the shared expert)")
 
 
 def _gate_activation(family: Family, config: Any, where: str) -> str:
@@ -612,7 +656,9 @@ def _stacked_groups(family: Family, layer: nn.Module) -> tuple[tuple[str, tuple[
     """The projections of `layer` that read the same input, in separate modules: where the
     tables choose the unfused form (UNFUSED = 1), one GEMM multiplies by each group's stacked
     matrix (a family's fused projections are one matrix already, and so are the experts')."""
-    mlp = () if family.sparse(layer) else (("mlp", family.mlp_projections),)
+    mlp = ("mlp.shared_expert" if family.shared_expert else None) if family.sparse(layer) \
+        else "mlp"
+    mlp = () if mlp is None else ((mlp, family.mlp_projections),)
     return tuple((parent, names) for parent, names in (("self_attn", family.attn_projections),
                                                        *mlp)
                  if len(names) > 1)
@@ -627,7 +673,7 @@ def _stack_projections(base: nn.Module, family: Family) -> bool:
     are."""
     from fusetune.kernels import _unfused
 
-    groups = [[getattr(getattr(layer, parent), n) for n in names]
+    groups = [[layer.get_submodule(parent).get_submodule(n) for n in names]
               for layer in base.layers for parent, names in _stacked_groups(family, layer)]
     todo: list[list[tuple[nn.Module, str]]] = []
     for lins in groups:
@@ -667,7 +713,7 @@ def _unstack_projections(base: nn.Module, family: Family) -> None:
     for layer in base.layers:
         for parent, names in _stacked_groups(family, layer):
             for n in names:
-                lin = getattr(getattr(layer, parent), n)
+                lin = layer.get_submodule(parent).get_submodule(n)
                 for p in (lin.weight, lin.bias):
                     if p is not None:
                         p.data = p.data.clone()
@@ -683,13 +729,10 @@ def _quantize(base: nn.Module, family: Family, fmt: str) -> None:
 
     targets = []  # (where, module, attribute, name of its scale)
     for i, layer in enumerate(base.layers):
-        sparse = family.sparse(layer)
-        for parent, name in family.projections:
-            if parent == "mlp" and sparse:
-                continue
-            lin = getattr(getattr(layer, parent), name)
+        for parent, name in family.projections(layer):
+            lin = layer.get_submodule(parent).get_submodule(name)
             targets.append((f"layer {i}'s {parent}.{name}", lin, "weight", "weight_scale"))
-        if sparse:
+        if family.sparse(layer):
             experts = layer.mlp.experts
             for name in ("gate_up_proj", "down_proj"):
                 targets.append((f"layer {i}'s mlp.experts.{name}", experts, name,
@@ -901,8 +944,12 @@ def _layer_forward(family: Family, api: CacheApi, fp8: bool, act: bool = False,
         if sparse:
             if _wants_grad(self, hidden_states, fp8):
                 _no_backward(family, self, sparse=True)
-            h = ops.rmsnorm(hidden_states, _norm_weight(norm, family), _eps(norm))
-            return hidden_states + _experts(self.mlp, h, fp8)
+            g = _norm_weight(norm, family)
+            h = ops.rmsnorm(hidden_states, g, _eps(norm))
+            out = _experts(self.mlp, h, fp8)
+            if family.shared_expert:
+                out = out + _shared_expert(family, self.mlp, hidden_states, h, g, _eps(norm), fp8)
+            return hidden_states + out
         down = self.mlp.down_proj
         (gate, up), (s_gate, s_up) = _gate_up_tensors(self.mlp, family, fp8)
         if _wants_grad(self, hidden_states, fp8):
@@ -946,6 +993,21 @@ def _experts(mlp: nn.Module, h: torch.Tensor, fp8: bool = False) -> torch.Tensor
     scales = ((experts.gate_up_proj_scale, experts.down_proj_scale) if fp8 else (None, None))
     return ops.moe(h, experts.gate_up_proj, experts.down_proj, ids, weights,
                    gate_up_scale=scales[0], down_scale=scales[1]).view(shape)
+
+
+def _shared_expert(family: Family, mlp: nn.Module, x: torch.Tensor, h: torch.Tensor,
+                   g: torch.Tensor, eps: Any, fp8: bool) -> torch.Tensor:
+    """Qwen2-MoE's shared expert: its MLP on the normalized `h` (the fused ffn normalizes the
+    layer's input `x` by the norm's weight `g` itself, then down_proj), times
+    sigmoid(shared_expert_gate(h)), the gate in the model's dtype as the block computes it."""
+    from fusetune import ops
+
+    shared = mlp.shared_expert
+    (gate, up), (s_gate, s_up) = _gate_up_tensors(shared, family, fp8)
+    down = shared.down_proj
+    y = ops.ffn(x, g, gate, up, eps, gate_scale=s_gate, up_scale=s_up)
+    y = ops.linear(y, down.weight, weight_scale=_scale(down, fp8))
+    return torch.sigmoid(F.linear(h, mlp.shared_expert_gate.weight)) * y
 
 
 def _norm_forward(family: Family) -> Callable[..., Any]:

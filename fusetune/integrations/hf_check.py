@@ -20,7 +20,8 @@ A sparse layer's patched run takes its router's output from the model's own run 
 where a token's k-th and (k+1)-th expert scores are within 16-bit rounding of each other, two
 correct forwards may route it differently, and one token sent to another expert changes the
 output by far more than any rounding tolerance. What follows the router (the norm before it,
-how its output is read, the experts) is then checked on the same routing.
+how its output is read, the experts, Qwen2-MoE's gated shared expert beside them) is then
+checked on the same routing.
 """
 
 from __future__ import annotations
