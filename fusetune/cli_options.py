@@ -99,7 +99,7 @@ class PointArgs:
         return self.trial_timeout if self.isolate else None
 
 
-_KERNELS_HELP = ("rmsnorm, rope, qkv, ffn, lola, linear; for training rmsnorm_bwd, rope_bwd, "
+_KERNELS_HELP = ("rmsnorm, rope, qkv, ffn, lola, linear, moe; for training rmsnorm_bwd, rope_bwd, "
                  "swiglu, swiglu_bwd; or a kernel of your own: package.module:name of a "
                  "@fusetune.autotune kernel, or the name an installed package registers it by "
                  "(entry points `fusetune.kernels`), its key arguments given as --dims")
@@ -108,7 +108,8 @@ _KERNEL_OR_MODEL = click.option(
     "--kernel", "-k", required=True,
     help=f"Kernel to tune ({_KERNELS_HELP}), or "
          "`all`: every kernel that fusetune.patch launches in --model (qkv, ffn, "
-         "linear for o_proj and down_proj, rmsnorm), at its decode and prefill "
+         "linear for o_proj and down_proj, rmsnorm; moe for a mixture of experts' "
+         "layers), at its decode and prefill "
          "rows (--max-batch, --prefill) or at `search --rows`; with `search "
          "--points FILE`, every kernel the file names. `training`: every kernel "
          "of the patched model's training path (rmsnorm and rmsnorm_bwd, rope and "
