@@ -333,36 +333,37 @@ def test_cached_decode_step_matches_a_full_forward(kind: str, ref_ops: dict[str,
     assert rel_err(cached[:, -1], full[:, -1]) <= 1e-4
 
 
+def compiled_greedy(model: torch.nn.Module, ids: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+    """greedy() through generate(cache_implementation="static"), which compiles the forward
+    where the device allows it; forced here on the CPU, with fullgraph=True so that any graph
+    break fails."""
+    config = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    got = greedy(model, ids, mask, cache_implementation="static", compile_config=config)
+    assert "_compiled_call" in model.__dict__  # the compiled path did run
+    return got
+
+
 @pytest.mark.slow
 def test_compiled_static_cache_generate(ref_ops: dict[str, int]) -> None:
-    """generate(cache_implementation="static") compiles the forward where the device allows
-    it; forced here on the CPU, with fullgraph=True so that any graph break fails."""
     model = tiny("llama3-rope")
     ids, mask = prompts()
     want = greedy(model, ids, mask)
     fusetune.patch(model)
-    config = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
-    config._compile_all_devices = True
-    torch._dynamo.reset()
-    got = greedy(model, ids, mask, cache_implementation="static", compile_config=config)
-    assert torch.equal(got, want)
-    assert "_compiled_call" in model.__dict__  # the compiled path did run
+    assert torch.equal(compiled_greedy(model, ids, mask), want)
 
 
 @pytest.mark.slow
 def test_compiled_static_cache_generate_moe() -> None:
-    """The same with the real ops, on a mixture-of-experts model (a sparse and a dense layer):
-    the router and the custom op fusetune::moe in one graph."""
+    """compiled_greedy with the real ops, on a mixture-of-experts model (a sparse and a dense
+    layer): the router and the custom op fusetune::moe in one graph."""
     model = tiny("qwen3-moe")
     ids, mask = prompts()
     want = greedy(model, ids, mask)
     fusetune.patch(model)
-    config = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
-    config._compile_all_devices = True
-    torch._dynamo.reset()
-    got = greedy(model, ids, mask, cache_implementation="static", compile_config=config)
-    assert torch.equal(got, want)
-    assert "_compiled_call" in model.__dict__
+    assert torch.equal(compiled_greedy(model, ids, mask), want)
 
 
 def test_output_attentions_still_reported(ref_ops: dict[str, int]) -> None:

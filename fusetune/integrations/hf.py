@@ -121,12 +121,18 @@ class Family:
         """Whether `layer`'s MLP is the family's mixture-of-experts block."""
         return self.moe and isinstance(layer.mlp, self.cls("SparseMoeBlock"))
 
+    def gated_mlp(self, layer: nn.Module) -> str | None:
+        """The path under `layer` of its gated MLP with gate/up/down nn.Linear projections: the
+        dense MLP, a sparse layer's shared expert, or None (a sparse layer without one)."""
+        if not self.sparse(layer):
+            return "mlp"
+        return "mlp.shared_expert" if self.shared_expert else None
+
     def projections(self, layer: nn.Module) -> tuple[tuple[str, str], ...]:
         """(parent, name) of every projection of `layer` as nn.Linear modules (parent: the path
         of their module under the layer): what FP8 weights quantize. A sparse layer's experts
         are not among them; its shared expert is."""
-        mlp = ("mlp.shared_expert" if self.shared_expert else None) if self.sparse(layer) \
-            else "mlp"
+        mlp = self.gated_mlp(layer)
         return (*(("self_attn", n) for n in self.attn_projections), ("self_attn", "o_proj"),
                 *(() if mlp is None else
                   (*((mlp, n) for n in self.mlp_projections), (mlp, "down_proj"))))
@@ -656,9 +662,8 @@ def _stacked_groups(family: Family, layer: nn.Module) -> tuple[tuple[str, tuple[
     """The projections of `layer` that read the same input, in separate modules: where the
     tables choose the unfused form (UNFUSED = 1), one GEMM multiplies by each group's stacked
     matrix (a family's fused projections are one matrix already, and so are the experts')."""
-    mlp = ("mlp.shared_expert" if family.shared_expert else None) if family.sparse(layer) \
-        else "mlp"
-    mlp = () if mlp is None else ((mlp, family.mlp_projections),)
+    path = family.gated_mlp(layer)
+    mlp = () if path is None else ((path, family.mlp_projections),)
     return tuple((parent, names) for parent, names in (("self_attn", family.attn_projections),
                                                        *mlp)
                  if len(names) > 1)

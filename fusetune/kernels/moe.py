@@ -169,14 +169,14 @@ def _place_kernel(IDS, COUNTS, RANK, PAIRS, BLOCK_EXPERT, PER_PAIR, n, E, n_bloc
 
 
 def group_pairs(topk_ids: torch.Tensor, experts: int, block_m: int,
-                per_pair: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                per_pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The (token, expert) pairs (pair p = token · top_k + j, expert topk_ids.flat[p]) grouped
     by expert: (pairs [blocks · block_m] int32, each expert's pairs from a block boundary, in
     any order, the rest of its last block n_pairs; block_expert [blocks] int32, each block's
     expert, `experts` or more for the blocks past the last expert's). Two launches and no
     synchronization with the device (the call can be captured in a CUDA graph): the number
     of blocks is the most the pairs can need. A pair whose id is outside [0, experts) is in
-    no block; its row of `per_pair` [n_pairs, D] float32 (where given) is set to NaN."""
+    no block; its row of `per_pair` [n_pairs, D] float32 (launch 2's output) is set to NaN."""
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     device = flat.device
@@ -189,11 +189,9 @@ def group_pairs(topk_ids: torch.Tensor, experts: int, block_m: int,
     block = max(16, min(1024, 8192 // e_p2))  # the [block, experts] compares stay small
     direct(_rank_kernel)[(cdiv(n, block),)](flat, counts, rank, n, experts, BLOCK=block,
                                             num_warps=4)
-    pp = pairs if per_pair is None else per_pair  # (not written where no pair is bad)
     direct(_place_kernel)[(cdiv(max(n, blocks), block),)](
-        flat, counts, rank, pairs, block_expert, pp, n, experts, blocks,
-        0 if per_pair is None else per_pair.shape[1],
-        0 if per_pair is None else per_pair.stride(0),
+        flat, counts, rank, pairs, block_expert, per_pair, n, experts, blocks,
+        per_pair.shape[1], per_pair.stride(0),
         BLOCK_M=block_m, E_P2=e_p2, BLOCK=block, BLOCK_D=64, num_warps=4)
     return pairs, block_expert
 
