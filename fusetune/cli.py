@@ -59,14 +59,14 @@ def _config_str(config: dict[str, int] | None, kernel: str | None = None) -> str
     TMA, ...) at the value that leaving them out means are left out: the same kernel, shorter."""
     if not config:
         return "-"
-    if config.get("UNFUSED"):  # its other keys mean nothing (fusetune/kernels/_unfused.py)
-        return "UNFUSED=1 (norm, cuBLAS GEMM, epilogue as separate launches)"
-    flags: dict[str, int] = {}
-    if kernel is not None:
-        from fusetune.kernels import REGISTRY
+    from fusetune.kernels import REGISTRY
 
-        if kernel in REGISTRY:  # a database may hold kernels this version does not have
-            flags = dict(REGISTRY[kernel].flags)
+    # a database may hold kernels this version does not have
+    spec = REGISTRY.get(kernel) if kernel is not None else None
+    if config.get("UNFUSED"):  # its other keys mean nothing (fusetune/kernels/_unfused.py)
+        form = spec.unfused_form if spec is not None else "the unfused form"
+        return f"UNFUSED=1 ({form})"
+    flags: dict[str, int] = dict(spec.flags) if spec is not None else {}
     return " ".join(f"{k}={v}" for k, v in config.items() if not (k in flags and flags[k] == v))
 
 

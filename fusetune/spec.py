@@ -203,6 +203,8 @@ class KernelSpec:
     - `algorithm_keys`: flags of config_keys that choose another way to compute the result
       rather than tune one (the matmul kernels' UNFUSED): every search tries each of them,
       from the default config, right after the default.
+    - `unfused_form`: what an UNFUSED = 1 config runs, in words (for `show` and the search's
+      tables).
     - `optional_dims`: dims beside dim_names with a default (qkv's qk_norm: 0), which points,
       tables and lookups leave out at that value (`short_dims`): tables from before the kernel
       gained the argument keep their keys.
@@ -260,6 +262,7 @@ class KernelSpec:
     dtypes: tuple[str, ...] = DTYPES
     rows: bool = True
     signature: Callable[[Point], str] | None = None
+    unfused_form: str = "norm, cuBLAS GEMM, epilogue as separate launches"
     other_triton: str = "ignore"
     algorithm_keys: tuple[str, ...] = ()
     optional_dims: Mapping[str, int] = field(default_factory=dict)

@@ -12,7 +12,7 @@ import yaml
 
 import fusetune
 from fusetune import gpus
-from fusetune.kernels import _unfused, ffn, linear, lola, qkv
+from fusetune.kernels import _unfused, ffn, linear, lola, moe, qkv
 from fusetune.spec import ConfigError, Point, check_fits
 from fusetune.tuner.bench import Evaluator
 from fusetune.tuner.seeds import start_configs
@@ -23,7 +23,9 @@ LINEAR_POINTS = [Point.make("linear", {"bias": b, "dim": 64, "out": 80, "residua
                             "float32") for b in (0, 1) for r in (0, 1)]
 QKV_POINTS = [Point.make("qkv", {"dim": 64, "head_dim": 16, "n_heads": 4, "interleaved": i,
                                  "n_kv_heads": 2}, 2, 3, "float32") for i in (0, 1)]
-SPECS = {"ffn": ffn.SPEC, "linear": linear.SPEC, "qkv": qkv.SPEC}
+MOE_POINT = Point.make("moe", {"dim": 64, "experts": 6, "hidden": 40, "top_k": 2}, 1, 7,
+                       "float32")
+SPECS = {"ffn": ffn.SPEC, "linear": linear.SPEC, "qkv": qkv.SPEC, "moe": moe.SPEC}
 
 
 def _unfused_config(spec: object, point: Point) -> dict[str, int]:
@@ -32,7 +34,7 @@ def _unfused_config(spec: object, point: Point) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("weights", ["", "fp8-e4m3"])
-@pytest.mark.parametrize("point", [FFN_POINT, *LINEAR_POINTS, *QKV_POINTS],
+@pytest.mark.parametrize("point", [FFN_POINT, *LINEAR_POINTS, *QKV_POINTS, MOE_POINT],
                          ids=lambda p: p.label)
 def test_unfused_passes_the_same_check(point: Point, weights: str) -> None:
     spec = SPECS[point.kernel]
@@ -47,7 +49,7 @@ def test_unfused_passes_the_same_check(point: Point, weights: str) -> None:
 
 def test_one_unfused_config_per_space_tried_first() -> None:
     for spec, point in ((ffn.SPEC, FFN_POINT), (linear.SPEC, LINEAR_POINTS[3]),
-                        (qkv.SPEC, QKV_POINTS[0])):
+                        (qkv.SPEC, QKV_POINTS[0]), (moe.SPEC, MOE_POINT)):
         space = load_space(spec)
         assert "UNFUSED" in [p.name for p in space.params]
         plan = make_plan(space, spec, point, gpus.resolve("h100"))
@@ -76,15 +78,21 @@ def test_no_unfused_form_is_refused() -> None:
                           gpus.INTERPRETER), "UNFUSED": 1})
 
 
-def test_a_table_naming_the_unfused_winner_is_served_as_one(
-        tmp_path: Path, fresh_tables: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    point = Point.make("ffn", {"dim": 64, "hidden": 96}, 1, 8, "float32")
-    config = _unfused_config(ffn.SPEC, point)
-    doc = {"schema_version": 1, "provenance": {}, "gpus": {"interpreter": {"ffn": [
-        {"dims": point.dim, "dtype": "float32", "batch": 8, "seq": 1, "config": config}]}}}
+def _load_unfused_table(tmp_path: Path, spec: object, point: Point) -> None:
+    """A table whose one entry, at `point` on the interpreter, is the unfused form; loaded."""
+    config = _unfused_config(spec, point)
+    doc = {"schema_version": 1, "provenance": {}, "gpus": {"interpreter": {point.kernel: [
+        {"dims": point.dim, "dtype": point.dtype, "batch": point.rows, "seq": 1,
+         "config": config}]}}}
     path = tmp_path / "t.yaml"
     path.write_text(yaml.safe_dump(doc))
     fusetune.load_tables(path)
+
+
+def test_a_table_naming_the_unfused_winner_is_served_as_one(
+        tmp_path: Path, fresh_tables: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    point = Point.make("ffn", {"dim": 64, "hidden": 96}, 1, 8, "float32")
+    _load_unfused_table(tmp_path, ffn.SPEC, point)
     ran = []
     real = ffn._unfused_2d
     monkeypatch.setattr(ffn, "_unfused_2d", lambda *a: ran.append(1) or real(*a))
@@ -188,3 +196,19 @@ def test_qkv_unfused_with_biases_matches_the_fused_kernel(interleaved: bool, sta
     for g_, w_ in zip(got, want, strict=True):
         assert g_.is_contiguous()
         torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-4)
+
+
+def test_a_table_naming_the_unfused_moe_is_served_as_one(
+        tmp_path: Path, fresh_tables: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    point = Point.make("moe", MOE_POINT.dim, 1, 5, "float32")
+    _load_unfused_table(tmp_path, moe.SPEC, point)
+    ran = []
+    real = moe._launch_unfused
+    monkeypatch.setattr(moe, "_launch_unfused", lambda *a: ran.append(1) or real(*a))
+    torch.manual_seed(0)
+    inputs = moe.SPEC.make_inputs(point, "cpu")
+    args = [inputs[k] for k in ("x", "gate_up", "down", "topk_ids", "topk_weights")]
+    got = fusetune.moe(*args)
+    assert ran == [1]
+    torch.testing.assert_close(got, moe._reference(inputs)["out"], rtol=1e-4, atol=1e-4)
+    assert fusetune.resolve("moe", point.dim, "float32", rows=5).config["UNFUSED"] == 1

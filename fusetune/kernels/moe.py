@@ -20,12 +20,29 @@ added up (torch) and rounded once to x's dtype. An expert no token chose costs n
 decode most experts are idle and the row blocks are mostly padding (BLOCK_M 16: the tensor
 cores' smallest tile), at prefill the blocks are full.
 
-Tunables (search_spaces/moe.yaml): BLOCK_M (the grouping's rows per block), BLOCK_N, BLOCK_K,
-num_warps, num_stages, shared by the two launches.
+BLOCK_M = 1 is the other structure, for decode: no grouping and no tensor cores. Launch 1 has a
+program per (pair, BLOCK_N columns of hidden), launch 2 one per (token, BLOCK_N columns of
+dim) that adds the token's top_k products up in order in float32 and writes out's row in x's
+dtype: two launches in all, each weight tile read by the programs of the pairs that chose its
+expert (at decode, one or two, at about the same time) as float32 GEMV loops
+(_matmul.gemv_two_products, gemv_one_product). The roundings are the grouped structure's: the
+intermediate in x's dtype, the output once.
+
+UNFUSED = 1 is the same result computed another way, a candidate of the search like any config
+(as for the dense matmul kernels, _unfused): the pairs sorted by expert (torch's stable sort, no
+synchronization), torch._grouped_mm over the gathered rows of x and each expert's gate/up
+rows, SiLU·mul in x's dtype, torch._grouped_mm with the down rows, then each token's top_k rows
+times their routing weights added up in float32 (in order: no atomics) and rounded once. FP8
+weights are upcast with their scales first (all the experts: a transient 16-bit copy).
+Cheaper at prefill where cuBLAS's grouped GEMM beats the Triton tiles.
+
+Tunables (search_spaces/moe.yaml): BLOCK_M (the grouping's rows per block; 1: the per-pair
+structure), BLOCK_N, BLOCK_K, num_warps, num_stages, shared by the two launches; UNFUSED.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -33,9 +50,17 @@ import triton
 import triton.language as tl
 
 from fusetune.gpus import GpuSpec
-from fusetune.kernels import fp8
+from fusetune.kernels import _unfused, fp8
 from fusetune.kernels._direct import direct
-from fusetune.kernels._matmul import dot
+from fusetune.kernels._matmul import (
+    dot,
+    fp8_as_f16,
+    gemv_resources,
+    gemv_two_products,
+    gemv_weight,
+    k_slice,
+)
+from fusetune.kernels._replay import note_unrecordable
 from fusetune.models import ModelError, ModelPreset
 from fusetune.spec import (
     DTYPE_BYTES,
@@ -48,13 +73,18 @@ from fusetune.spec import (
     Tensors,
     cdiv,
     check_device,
+    check_fits,
     check_no_grad,
     dtype_name,
     interpreting,
+    next_pow2,
     torch_dtype,
 )
 
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "UNFUSED")
+# Every other key of an UNFUSED config means nothing: its one canonical config.
+_UNFUSED_CONFIG: Config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4,
+                           "num_stages": 2, "UNFUSED": 1}
 
 
 @triton.jit
@@ -126,6 +156,102 @@ def _experts_kernel(
 
 
 @triton.jit
+def _pair_gemv_kernel(
+    X,  # *[tokens, K] unit column stride
+    W,  # *[E, 2·N, K] gate_up (FP8: as fp8.weight_operand gives it for W_FP8)
+    INTER,  # *[pairs, N] the intermediate, a row per pair
+    IDS,  # *[pairs] the pairs' experts (topk_ids, flat)
+    S,  # *[E, 2·N] float32: FP8 weights' scale per expert and output channel (W_SCALED)
+    N, K, E,
+    stride_xm, stride_we, stride_wn, stride_im, stride_se,
+    TOP_K: tl.constexpr,
+    W_SCALED: tl.constexpr,
+    W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.gemv_weight)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Launch 1 of the per-pair structure: program (pair, 0, column block) computes
+    # silu(x[token] · gate[e]ᵀ) ⊙ (x[token] · up[e]ᵀ) for BLOCK_N columns of hidden.
+    pair = tl.program_id(0)
+    # (grid axis 1 is the GEMV loop's split-K slice, _matmul.k_slice: one slice here)
+    rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    # the expert as a [1] block (the masks it joins are blocks)
+    e = tl.load(IDS + pair + tl.zeros([1], dtype=tl.int32)).to(tl.int32)
+    e_ok = (e >= 0) & (e < E)  # an id outside the experts reads nothing and gives NaN
+    e_safe = tl.where(e_ok, e, 0).to(tl.int64)
+    w_base = W + e_safe * stride_we
+    w_rows = rn[None, :].to(tl.int64) * stride_wn  # gate rows rn (up rows N + rn), [1, BLOCK_N]
+    token = tl.zeros([1], dtype=tl.int32) + pair // TOP_K
+    y, up, _ = gemv_two_products(X, X, w_base, w_rows, w_base + N * stride_wn, w_rows, token,
+                                 token >= 0, n_ok & e_ok, K, stride_xm, BLOCK_N, BLOCK_K, 1, 2,
+                                 W_FP8, 0, 0)
+    if W_SCALED:  # per output column, in float32, before the activation
+        s_ptrs = S + e_safe * stride_se + rn
+        y = y * tl.load(s_ptrs, mask=n_ok, other=0.0)[None, :]
+        up = up * tl.load(s_ptrs + N, mask=n_ok, other=0.0)[None, :]
+    h = tl.where(e_ok, y * tl.sigmoid(y) * up, float("nan"))  # silu(gate) · up, float32
+    tl.store(INTER + pair.to(tl.int64) * stride_im + rn[None, :], h.to(INTER.dtype.element_ty),
+             mask=n_ok[None, :])
+
+
+@triton.jit
+def _token_gemv_kernel(
+    INTER,  # *[pairs, K] the intermediate, a row per pair, unit column stride
+    W,  # *[E, N, K] down (FP8: as fp8.weight_operand gives it for W_FP8)
+    OUT,  # *[tokens, N] x's dtype
+    IDS,  # *[pairs] the pairs' experts (topk_ids, flat)
+    RW,  # *[pairs] the pairs' routing weights
+    S,  # *[E, N] float32 (W_SCALED)
+    N, K, E,
+    stride_im, stride_we, stride_wn, stride_om, stride_se,
+    TOP_K: tl.constexpr,
+    J: tl.constexpr,  # TOP_K rounded up to a power of two (the tiles' first axis)
+    W_SCALED: tl.constexpr,
+    W_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Launch 2 of the per-pair structure: program (token, 0, column block) computes
+    # Σ_j w[j] · inter[pair j] · down[e_j]ᵀ for BLOCK_N columns of dim, the token's TOP_K pairs
+    # side by side in one K loop ([J, BLOCK_K, BLOCK_N] weight tiles: the loads of every pair
+    # in flight together), in float32, rounded once.
+    token = tl.program_id(0)
+    rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    j = tl.arange(0, J)
+    j_ok = j < TOP_K  # lanes past TOP_K (J > TOP_K) read nothing and add 0
+    pair = token * TOP_K + j
+    e = tl.load(IDS + pair, mask=j_ok, other=0).to(tl.int32)
+    e_ok = j_ok & (e >= 0) & (e < E)  # an id outside the experts reads nothing: NaN below
+    e_safe = tl.where(e_ok, e, 0).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    # [J, BLOCK_K]: pair j's intermediate row; [J, BLOCK_K, BLOCK_N]: its expert's down rows
+    # rn (a row contiguous in K, the tile's middle axis, so the loads vectorize along it)
+    a_ptrs = INTER + pair[:, None].to(tl.int64) * stride_im + rk[None, :]
+    w_ptrs = (W + e_safe[:, None, None] * stride_we + rn[None, None, :].to(tl.int64) * stride_wn
+              + rk[None, :, None])
+    w_ok = e_ok[:, None, None] & n_ok[None, None, :]
+    acc = tl.zeros([J, BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0  # the last K-step may be partial: masked lanes read 0
+        a = tl.load(a_ptrs, mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = gemv_weight(tl.load(w_ptrs, mask=w_ok & k_ok[None, :, None], other=0.0,
+                                eviction_policy="evict_first"), W_FP8)
+        acc += w * a[:, :, None]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)  # [J, BLOCK_N]
+    if W_SCALED:  # per output column, in float32
+        y = y * tl.load(S + e_safe[:, None] * stride_se + rn[None, :],
+                        mask=e_ok[:, None] & n_ok[None, :], other=0.0)
+    y = y * tl.load(RW + pair, mask=j_ok, other=0.0).to(tl.float32)[:, None]
+    y = tl.where(e_ok[:, None] | (j >= TOP_K)[:, None], y, float("nan"))
+    out = tl.sum(y, axis=0)
+    tl.store(OUT + token.to(tl.int64) * stride_om + rn, out.to(OUT.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _rank_kernel(IDS, COUNTS, RANK, n, E, BLOCK: tl.constexpr):
     # Each pair's place among its expert's pairs, in whatever order the atomics run: a row's
     # result does not depend on the other rows of its block, so the order changes no bit.
@@ -180,7 +306,8 @@ def group_pairs(topk_ids: torch.Tensor, experts: int, block_m: int,
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     device = flat.device
-    blocks = cdiv(n, block_m) + experts  # each expert wastes less than one block
+    # Σ over the experts with pairs of cdiv(count, block_m) <= n // block_m + such experts
+    blocks = cdiv(n, block_m) + min(experts, n)
     counts = torch.zeros(experts, dtype=torch.int32, device=device)
     rank = torch.empty(n, dtype=torch.int32, device=device)
     pairs = torch.full((blocks * block_m,), n, dtype=torch.int32, device=device)
@@ -208,9 +335,17 @@ def _launch_2d(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         return
     e, h2, _ = gate_up.shape
     h, k = h2 // 2, topk_ids.shape[1]
+    if config.get("UNFUSED"):
+        _launch_unfused(x, gate_up, down, topk_ids, topk_weights, out, gate_up_scale,
+                        down_scale)
+        return
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     n_pairs = t * k
     inter = torch.empty((n_pairs, h), dtype=x.dtype, device=x.device)
+    if bm == 1:
+        _launch_per_pair(x, gate_up, down, topk_ids, topk_weights, inter, out, config,
+                         gate_up_scale, down_scale)
+        return
     per_pair = torch.empty((n_pairs, d), dtype=torch.float32, device=x.device)
     pairs, block_expert = group_pairs(topk_ids, e, bm, per_pair)
     blocks = block_expert.numel()
@@ -230,6 +365,72 @@ def _launch_2d(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         0 if down_scale is None else down_scale.stride(0),
         TOP_K=k, GATED=False, SCALE_ROWS=True, W_SCALED=down_scale is not None, **meta)
     out.copy_(per_pair.view(t, k, d).sum(dim=1))  # a token's top_k rows, rounded once
+
+
+def _launch_per_pair(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                     topk_ids: torch.Tensor, topk_weights: torch.Tensor, inter: torch.Tensor,
+                     out: torch.Tensor, config: Config, gate_up_scale: torch.Tensor | None,
+                     down_scale: torch.Tensor | None) -> None:
+    """_launch_2d's BLOCK_M = 1 structure (the module docstring): a program per pair, then
+    one per token."""
+    t, d = x.shape
+    e, h2, _ = gate_up.shape
+    h, k = h2 // 2, topk_ids.shape[1]
+    w1, w_fp8 = fp8.weight_operand(gate_up, False, gemv=True)
+    w2, _ = fp8.weight_operand(down, False, gemv=True)
+    meta = dict(TOP_K=k, W_FP8=w_fp8, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+                num_warps=config["num_warps"], num_stages=config["num_stages"])
+    s1 = topk_weights if gate_up_scale is None else gate_up_scale  # (not read unless scaled)
+    s2 = topk_weights if down_scale is None else down_scale
+    direct(_pair_gemv_kernel)[(t * k, 1, cdiv(h, config["BLOCK_N"]))](
+        x, w1, inter, topk_ids, s1, h, d, e,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
+        0 if gate_up_scale is None else gate_up_scale.stride(0),
+        W_SCALED=gate_up_scale is not None, **meta)
+    direct(_token_gemv_kernel)[(t, 1, cdiv(d, config["BLOCK_N"]))](
+        inter, w2, out, topk_ids, topk_weights, s2, d, h, e,
+        inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        0 if down_scale is None else down_scale.stride(0),
+        J=triton.next_power_of_2(k), W_SCALED=down_scale is not None, **meta)
+
+def _experts_upcast(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """Experts' weights [E, N, K] in `dtype`: as they are, or FP8 (times their channels' scales
+    [E, N] where given) rounded once (_unfused._upcast over the E·N channels)."""
+    if w.dtype == dtype:
+        return w
+    e, n, kk = w.shape
+    return _unfused._upcast(w.reshape(e * n, kk), None if scale is None else scale.reshape(e * n),
+                            dtype).view(e, n, kk)
+
+
+def _launch_unfused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
+                    gate_up_scale: torch.Tensor | None, down_scale: torch.Tensor | None
+                    ) -> None:
+    """_launch_2d's UNFUSED = 1 form (the module docstring): torch._grouped_mm twice."""
+    # torch's launches do not go through `direct`: a call that makes them has no replay
+    note_unrecordable()
+    t, d = x.shape
+    e = gate_up.shape[0]
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    ok = (flat >= 0) & (flat < e)
+    # pairs sorted by expert, the ids outside the experts last (group e, multiplied by no one)
+    key = torch.where(ok, flat, e)
+    order = key.argsort(stable=True)
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))  # (bincount would wait for the device)
+    offs = counts[:e].cumsum(0).to(torch.int32)
+    gu = _experts_upcast(gate_up, gate_up_scale, x.dtype)
+    ab = torch._grouped_mm(x[order // k], gu.transpose(1, 2), offs=offs)
+    a, b = ab.chunk(2, dim=-1)
+    dn = _experts_upcast(down, down_scale, x.dtype)
+    y = torch._grouped_mm(torch.nn.functional.silu(a) * b, dn.transpose(1, 2), offs=offs)
+    per_pair = torch.empty_like(y)
+    per_pair[order] = y  # back to pair order (each row written once: no atomics)
+    w = torch.where(ok, topk_weights.reshape(-1).float(), float("nan"))
+    out.copy_((per_pair.float() * w[:, None]).view(t, k, d).sum(dim=1))
 
 
 def moe(
@@ -350,8 +551,14 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
     # tile), many at prefill.
     dm = point.dim
     pairs_per_expert = point.rows * dm["top_k"] / max(1, dm["experts"])
+    if pairs_per_expert <= 1:  # at most about one pair an expert: the per-pair structure
+        # launch 2's [top_k, BLOCK_K, BLOCK_N] tiles kept at 8192 elements (registers)
+        bk = max(32, min(256, 8192 // (16 * next_pow2(dm["top_k"]))))
+        return {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": bk, "num_warps": 4, "num_stages": 1,
+                "UNFUSED": 0}
     bm = 16 if pairs_per_expert <= 16 else 32 if pairs_per_expert <= 64 else 64
-    c = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+    c = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3,
+         "UNFUSED": 0}
     # At decode only the routed experts' blocks work: narrower column tiles until the launch
     # with fewer columns has about two programs per SM, each streaming its rows of the
     # weights, with longer K-steps for the narrower tiles.
@@ -362,16 +569,43 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
         c["BLOCK_K"] = 128
     while c["num_stages"] > 1 and _resources(c, point).smem_bytes > gpu.smem_per_block:
         c["num_stages"] -= 1
+    # FP8 weights converted in registers: shorter K-steps until the registers fit (a default
+    # the search prunes would be a default it never times)
+    while c["BLOCK_K"] > 32 and check_fits(_resources(c, point), gpu) is not None:
+        c["BLOCK_K"] //= 2
     return c
 
 
+# The per-pair structure reads an expert's weights once for each of its pairs (at the same time,
+# so mostly from L2 when they are few): beyond this many pairs an expert on average the grouped
+# tensor-core tiles are the structure.
+PER_PAIR_MAX = 2
+
+
 def _canonical(config: Config, point: Point) -> Config:
-    return dict(config)
+    if config.get("UNFUSED"):
+        return {k: _UNFUSED_CONFIG[k] for k in config}
+    c = dict(config)
+    if c["BLOCK_M"] == 1:  # the GEMV loops have no software pipeline: num_stages changes nothing
+        c["num_stages"] = 1
+    return c
 
 
 def _resources(config: Config, point: Point) -> Resources:
+    if config.get("UNFUSED"):  # torch's launches: nothing a fused config is pruned for
+        return Resources(smem_bytes=0, regs_per_thread=0, threads=128)
     a_elt, w_elt, converted = fp8.operand_bytes(point)
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if bm == 1:
+        dm = point.dim
+        # launch 1: two [BLOCK_K, BLOCK_N] accumulators; launch 2: one per pair of a token
+        res = gemv_resources(config, 1, w_elt, max(2, next_pow2(dm["top_k"])))
+        if point.rows * dm["top_k"] > PER_PAIR_MAX * dm["experts"]:
+            res = dataclasses.replace(res, unfit=(
+                f"structure: BLOCK_M=1 (a program per pair) reads an expert's weights once for "
+                f"each of its pairs; it is for at most {PER_PAIR_MAX} pairs an expert on average, "
+                f"not {point.rows * dm['top_k'] / dm['experts']:.3g}"))
+        return res
     threads = 32 * config["num_warps"]
     # launch 1's two weight tiles and two accumulators (the larger of the two launches); FP8
     # weight tiles staged as bytes, then converted in registers
@@ -416,5 +650,11 @@ SPEC = KernelSpec(
     canonical=_canonical,
     dims_from_model=_dims_from_model,
     weight_formats=WEIGHT_FORMATS,
-    source_objects=(_experts_kernel, _rank_kernel, _place_kernel, group_pairs, _launch_2d, dot),
+    source_objects=(_experts_kernel, _pair_gemv_kernel, _token_gemv_kernel, _rank_kernel,
+                    _place_kernel, group_pairs, _launch_2d, _launch_per_pair, _launch_unfused,
+                    _experts_upcast, dot, gemv_two_products, k_slice, gemv_weight, fp8_as_f16,
+                    fp8.weight_operand, _unfused._upcast, _unfused._upcast_kernel),
+    flags={"UNFUSED": 0},
+    algorithm_keys=("UNFUSED",),
+    unfused_form="torch._grouped_mm, SiLU·mul, torch._grouped_mm, weighted sum",
 )

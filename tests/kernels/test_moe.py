@@ -18,6 +18,9 @@ CONFIGS = {
                     "num_stages": 2},
     "prefill tile": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4,
                      "num_stages": 3},
+    "per pair": {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1},
+    "unfused": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2,
+                "UNFUSED": 1},
 }
 
 
@@ -34,7 +37,8 @@ def test_configs_pass_the_tuners_check(tokens: int, experts: int, top_k: int,
     assert out.rel_err is not None and out.rel_err <= 1e-5
 
 
-def test_awkward_routing() -> None:
+@pytest.mark.parametrize("name", ["decode tile", "per pair", "unfused"])
+def test_awkward_routing(name: str) -> None:
     # an expert no token chose, one token routed to every expert of its top-k, repeated
     # experts across tokens, bfloat16
     torch.manual_seed(0)
@@ -47,7 +51,7 @@ def test_awkward_routing() -> None:
     w = (w / w.sum(-1, keepdim=True)).bfloat16()
     inputs = {"x": x, "gate_up": gate_up, "down": down, "topk_ids": ids, "topk_weights": w}
     want = moe_mod._reference(inputs)["out"]
-    got = fusetune.moe(x, gate_up, down, ids, w, config=CONFIGS["decode tile"])
+    got = fusetune.moe(x, gate_up, down, ids, w, config=CONFIGS[name])
     assert got.dtype == torch.bfloat16
     assert ((got.float() - want).norm() / want.norm()).item() <= 1.6e-2
     pairs, block_expert = moe_mod.group_pairs(ids, e, 4, torch.empty(t * 2, 64))
@@ -60,7 +64,8 @@ def test_awkward_routing() -> None:
         assert sorted(rows) == [p for p in range(t * 2) if ids.flatten()[p] == expert]
 
 
-def test_ids_outside_the_experts_give_nan_rows() -> None:
+@pytest.mark.parametrize("name", ["decode tile", "per pair", "unfused"])
+def test_ids_outside_the_experts_give_nan_rows(name: str) -> None:
     # An id the caller's router could not have made: that token's output is NaN, the others
     # are untouched (no synchronization with the device to refuse it before the launches).
     torch.manual_seed(0)
@@ -68,7 +73,7 @@ def test_ids_outside_the_experts_give_nan_rows() -> None:
     gate_up, down = torch.randn(4, 48, 32) / 6, torch.randn(4, 32, 24) / 5
     ids = torch.tensor([[0, 1], [2, 7], [3, 0]])
     w = torch.full((3, 2), 0.5)
-    got = fusetune.moe(x, gate_up, down, ids, w, config=CONFIGS["decode tile"])
+    got = fusetune.moe(x, gate_up, down, ids, w, config=CONFIGS[name])
     assert got[1].isnan().all()
     ok = torch.tensor([[0, 1], [2, 2], [3, 0]])
     want = moe_mod._reference({"x": x, "gate_up": gate_up, "down": down, "topk_ids": ok,
@@ -85,6 +90,22 @@ def test_bad_inputs() -> None:
         fusetune.moe(x, gu, dn, ids[:2], w[:2])
     with pytest.raises(TypeError, match="topk_ids must be integers"):
         fusetune.moe(x, gu, dn, w, w)
+
+
+def test_per_pair_structure_is_for_decode() -> None:
+    # the search does not try a program per pair where experts have many pairs; the default
+    # takes it where they have about one
+    def point(rows: int) -> Point:
+        return Point.make("moe", {"dim": 2048, "experts": 128, "hidden": 768, "top_k": 8}, 1,
+                          rows, "bfloat16")
+
+    per_pair = CONFIGS["per pair"]
+    assert SPEC.resources(per_pair, point(32)).unfit == ""
+    assert "BLOCK_M=1" in SPEC.resources(per_pair, point(33)).unfit
+    assert SPEC.canonical(per_pair | {"num_stages": 4}, point(1))["num_stages"] == 1
+    h200 = gpus.resolve("h200")
+    assert SPEC.default_config(point(16), h200)["BLOCK_M"] == 1
+    assert SPEC.default_config(point(17), h200)["BLOCK_M"] == 16
 
 
 def test_default_configs_fit_the_gpus() -> None:
@@ -128,10 +149,11 @@ def test_fp8_weights_pass_the_tuners_check(weights: str) -> None:
     assert inputs["gate_up"].dtype != torch.bfloat16 and inputs["down_scale"].shape == (8, 72)
     for config in CONFIGS.values():
         out = Evaluator(SPEC, point, "interpreter", "cpu").evaluate(config)
-        assert out.status == "ok", out.reason
+        assert out.status == "ok", (config, out.reason)
 
 
-def test_fp8_weights_through_the_call() -> None:
+@pytest.mark.parametrize("name", ["decode tile", "per pair", "unfused"])
+def test_fp8_weights_through_the_call(name: str) -> None:
     torch.manual_seed(1)
     x = torch.randn(5, 64).bfloat16()
     gate_up, down = torch.randn(4, 96, 64) / 8, torch.randn(4, 64, 48) / 7
@@ -141,11 +163,11 @@ def test_fp8_weights_through_the_call() -> None:
     ids = torch.tensor([[0, 3], [1, 3], [2, 2], [0, 1], [3, 0]])
     w = torch.rand(5, 2).bfloat16()
     got = fusetune.moe(x, gq, dq, ids, w, gate_up_scale=gs, down_scale=ds,
-                       config=CONFIGS["decode tile"])
+                       config=CONFIGS[name])
     want = moe_mod._reference({"x": x, "gate_up": gq, "gate_up_scale": gs, "down": dq,
                                "down_scale": ds, "topk_ids": ids, "topk_weights": w})["out"]
     assert ((got.float() - want).norm() / want.norm()).item() <= 1.6e-2
-    unscaled = fusetune.moe(x, gq, dq, ids, w, config=CONFIGS["decode tile"])
+    unscaled = fusetune.moe(x, gq, dq, ids, w, config=CONFIGS[name])
     assert not torch.allclose(unscaled.float(), got.float(), rtol=0.1)  # the scales count
     with pytest.raises(TypeError, match="gate_up and down must have one dtype"):
         fusetune.moe(x, gq, down.bfloat16(), ids, w, gate_up_scale=gs)
