@@ -25,11 +25,13 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (37, 8, 2), (5, 16, 4)])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"),
+                         [(1, 8, 2), (37, 8, 2), (5, 16, 4), (3, 5, 1), (4, 6, 3)])
 def test_configs_pass_the_tuners_check(tokens: int, experts: int, top_k: int,
                                        name: str) -> None:
     # dims not multiples of the tiles (K = 72 in launch 1, 40 in launch 2; N = 40 and 72);
-    # one token, most experts idle; 37 tokens: no expert's rows a whole number of blocks
+    # one token, most experts idle; 37 tokens: no expert's rows a whole number of blocks; top_k
+    # 1, and 3 (the per-pair structure's tiles hold 4 pairs, one masked off)
     point = Point.make("moe", {"dim": 72, "experts": experts, "hidden": 40, "top_k": top_k},
                        1, tokens, "float32")
     out = Evaluator(SPEC, point, "interpreter", "cpu").evaluate(CONFIGS[name])
