@@ -6,7 +6,8 @@ a Triton kernel that carries a norm in front and an epilogue behind. The config 
 size: UNFUSED = 1 computes the same result as separate launches, fusetune's own norm, SiLU·mul
 and RoPE kernels (their configs from the tables) around torch.matmul, residuals and biases
 added by cuBLAS's beta (torch.addmm). ffn, linear and qkv have it (their launchers'
-_unfused_2d); lola not yet. The tuner checks and times it like any config, the tables keep
+_unfused_2d), moe its own (torch._grouped_mm, moe._launch_unfused, with _upcast for FP8
+experts); lola not yet. The tuner checks and times it like any config, the tables keep
 it where it wins, the launcher runs it where the table says so.
 
 Projections that read the same input run as one GEMM where their weights are views of one
