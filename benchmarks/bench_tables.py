@@ -128,13 +128,23 @@ def _compile(kernel: str, point: Any, configs: list[dict[str, int]], device: str
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    compile_config = warmup_compiler(get_spec(kernel), point, device)
     errors = []
-    for c in configs:
-        try:
-            compile_config(c)
-        except Exception as exc:  # reported by the check in the timing process
-            errors.append(f"{type(exc).__name__}: {exc}")
+    try:
+        # the point's inputs on the device: beside the other processes' (large MoE experts)
+        # they may not fit, and then the timing process compiles these configs itself
+        compile_config = warmup_compiler(get_spec(kernel), point, device)
+    except Exception as exc:
+        return [f"inputs: {type(exc).__name__}: {exc}"]
+    try:
+        for c in configs:
+            try:
+                compile_config(c)
+            except Exception as exc:  # reported by the check in the timing process
+                errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        del compile_config  # the inputs, given back to the device for the other processes
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return errors
 
 

@@ -139,3 +139,20 @@ def test_a_timing_process_that_dies_fails_its_entry_and_the_rest_go_on(interp: N
     assert broken.failed["entry"].startswith("crashed: the timing process on cpu died")
     others = [e for e in entries if e is not broken]
     assert all(e.measured and not e.failed and len(e.times["entry"]) == 1 for e in others)
+
+
+def test_a_compile_process_without_room_for_the_inputs_leaves_them_to_the_timing_process(
+        interp: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # beside the other compile processes a point's inputs may not fit the device: its configs
+    # come back as not compiled (the timing process compiles and checks them), no crash
+    from fusetune.spec import Point
+    from fusetune.tuner import compile_ahead
+
+    def no_room(*_: Any) -> Any:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 896.00 MiB")
+
+    point = Point.make("rmsnorm", {"dim": 64}, 1, 4, "float32")
+    assert bench_tables._compile("rmsnorm", point, [RMSNORM], "cpu") == []
+    monkeypatch.setattr(compile_ahead, "warmup_compiler", no_room)
+    errors = bench_tables._compile("rmsnorm", point, [RMSNORM], "cpu")
+    assert errors == ["inputs: RuntimeError: CUDA out of memory. Tried to allocate 896.00 MiB"]
