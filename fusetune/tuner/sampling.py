@@ -233,21 +233,31 @@ class Proposer:
             config = self.spec.canonical(self.space.suggest(trial), self.point)
             key = config_key(config)
             self._waiting.discard(key)
-            trial.set_user_attr("config", config)
-            if key in pending:
-                trial.set_user_attr("repeat_of", key)
-                trial.set_user_attr("status", "repeat")
-                self.study.tell(trial, state=TrialState.FAIL)
-            else:
-                value = self.known(key)
-                if value is None:
-                    self._repeats = 0
-                    return Proposal(trial, config, key)
-                # Never redone: the known value answers (repeats happen in small spaces).
-                trial.set_user_attr("repeat_of", key)
-                if self.on_repeat is not None:
-                    self.on_repeat(trial, key)
-                self.study.tell(trial, value)
+            try:
+                trial.set_user_attr("config", config)
+                if key in pending:
+                    trial.set_user_attr("repeat_of", key)
+                    trial.set_user_attr("status", "repeat")
+                    self.study.tell(trial, state=TrialState.FAIL)
+                else:
+                    value = self.known(key)
+                    if value is None:
+                        self._repeats = 0
+                        return Proposal(trial, config, key)
+                    # Never redone: the known value answers (repeats happen in small spaces).
+                    trial.set_user_attr("repeat_of", key)
+                    if self.on_repeat is not None:
+                        self.on_repeat(trial, key)
+                    self.study.tell(trial, value)
+            except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+                # Another search was handed this very enqueued trial (on SQLite, Optuna's queue
+                # has no row locks) and finished it first: its result stands. (Optuna's tell
+                # says so with a ValueError; anything else is not this and goes on up.)
+                finished = {t.number for t in self.study.get_trials(
+                    deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL,
+                                            TrialState.PRUNED))}
+                if trial.number not in finished:
+                    raise
             self._repeats += 1
             if self._repeats >= REPEATS_BEFORE_NUDGE:
                 self._nudge(pending)
