@@ -121,8 +121,7 @@ def _resolve_points(args: PointArgs, target: Target, small: bool
             return spec, space, _own_points(spec, args)
         if model is None and args.dim is None and args.dims_opt is None:
             model = grid["model"]
-        dims = parse_dims(spec.dim_names, model, args.dim, args.dims_opt, spec.dims_from_model,
-                          spec.optional_dims)
+        dims = parse_dims(spec, model, args.dim, args.dims_opt)
         dtypes = args.dtype or grid["dtype"]
         # --weights fp16 / bf16 name the activations' dtype: Point.weights "" (one key for both)
         weights = ("" if args.weights is None else
@@ -153,8 +152,7 @@ def _own_points(spec: Any, args: PointArgs) -> list[Any]:
             f"{spec.name} is keyed by its arguments {', '.join(spec.dim_names)}: give their "
             f"values as --dims {','.join(f'{k}=...' for k in spec.dim_names)} (several "
             f"points: --points FILE) and leave out {', '.join(given)}")
-    dims = parse_dims(spec.dim_names, None, args.dim, args.dims_opt, spec.dims_from_model,
-                      spec.optional_dims)
+    dims = parse_dims(spec, None, args.dim, args.dims_opt)
     points = []
     for dtype in args.dtype or ["float16"]:
         if dtype not in spec.dtypes:

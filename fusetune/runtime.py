@@ -170,9 +170,7 @@ def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str
                          f"{', '.join(ENTRY_FIELDS)}")
     dims = raw["dims"]
     if not isinstance(dims, Mapping) or not spec.dims_named(dims):
-        optional = "".join(f", optionally {k}" for k in spec.optional_dims)
-        raise TableError(f"{where}: dims must be a mapping of {', '.join(spec.dim_names)}"
-                         f"{optional}, got {dims!r}")
+        raise TableError(f"{where}: dims must be a mapping of {spec.dims_text}, got {dims!r}")
     for k, v in dims.items():
         if not _is_int(v) or v < 0:
             raise TableError(f"{where}: dims.{k}={v!r} must be a non-negative integer")
@@ -799,9 +797,8 @@ def _check_dims(spec: KernelSpec, dims: Mapping[str, int]) -> None:
         unknown = [str(k) for k in dims if k not in spec.all_dim_names]
         parts = [f"{what} dim{'s' if len(ks) > 1 else ''} {', '.join(ks)}"
                  for what, ks in (("missing", missing), ("unknown", unknown)) if ks]
-        optional = "".join(f", optionally {k}" for k in spec.optional_dims)
         raise ValueError(f"{spec.name}: {', '.join(parts)}; {spec.name}'s dims are "
-                         f"{', '.join(names)}{optional}")
+                         f"{spec.dims_text}")
     for k, v in dims.items():
         if not _is_int(v) or v < 0:
             raise ValueError(f"{spec.name}: dims.{k}={v!r} must be a non-negative integer")

@@ -271,6 +271,11 @@ class KernelSpec:
     def all_dim_names(self) -> tuple[str, ...]:
         return (*self.dim_names, *self.optional_dims)
 
+    @property
+    def dims_text(self) -> str:
+        """The dims' names for messages: dim_names, then each optional one as such."""
+        return ", ".join(self.dim_names) + "".join(f", optionally {k}" for k in self.optional_dims)
+
     def dims_named(self, names: Iterable[str]) -> bool:
         """Whether `names` are a valid set of this kernel's dims: every one of dim_names, and
         of optional_dims those given."""

@@ -393,6 +393,7 @@ def _launch_per_pair(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         0 if down_scale is None else down_scale.stride(0),
         J=triton.next_power_of_2(k), W_SCALED=down_scale is not None, **meta)
 
+
 def _experts_upcast(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
                     ) -> torch.Tensor:
     """Experts' weights [E, N, K] in `dtype`: as they are, or FP8 (times their channels' scales

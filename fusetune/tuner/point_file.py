@@ -87,8 +87,7 @@ def _point(spec: KernelSpec, entry: Any) -> Point:
         raise TypeError(f"expected a mapping, got {entry!r}")
     dims = entry.get("dims")
     if not isinstance(dims, Mapping) or not spec.dims_named(dims):
-        raise ValueError(f"dims {dims!r} do not match {kernel}'s "
-                         f"{', '.join(spec.all_dim_names)}")
+        raise ValueError(f"dims {dims!r} do not match {kernel}'s {spec.dims_text}")
     for name, value in dims.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"dims {name}={value!r} must be a non-negative integer")

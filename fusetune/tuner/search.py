@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,7 +14,7 @@ from fusetune.gpus import GpuSpec
 if TYPE_CHECKING:
     import optuna
 
-    from fusetune.spec import Point
+    from fusetune.spec import KernelSpec, Point
 
 BACKEND_CHOICES = ("auto", "cuda", "interpreter")
 # Small enough for Triton's CPU interpreter to get through a search in a minute or two.
@@ -116,11 +116,10 @@ def _devices_target(devices: str, gpu_name: str | None) -> Target:
     return Target("cuda", found[0].spec, names[0], devices=names)
 
 
-def parse_dims(spec_dim_names: Sequence[str], model: str | None, dim: int | None,
-               dims: Mapping[str, int] | None, from_model: Callable[..., dict[str, int]],
-               optional_dims: Mapping[str, int] | None = None) -> dict[str, int]:
-    """The kernel's dims from --model, --dim (the width) or --dims k=v,... (`optional_dims`:
-    the kernel's dims that may be left out, at their defaults)."""
+def parse_dims(spec: KernelSpec, model: str | None, dim: int | None,
+               dims: Mapping[str, int] | None) -> dict[str, int]:
+    """The kernel's dims from --model (spec.dims_from_model), --dim (the width) or --dims
+    k=v,..., an optional dim at its default left out (spec.short_dims)."""
     from fusetune.models import load_model
 
     given = sum(x is not None for x in (model, dim, dims))
@@ -128,25 +127,22 @@ def parse_dims(spec_dim_names: Sequence[str], model: str | None, dim: int | None
         raise SearchError("give only one of --model, --dim, --dims")
     if model is not None:
         try:
-            return from_model(load_model(model))
+            return spec.dims_from_model(load_model(model))
         except ValueError as e:
             raise SearchError(str(e)) from None
     if dim is not None:
-        if tuple(spec_dim_names) != ("dim",):
+        if tuple(spec.dim_names) != ("dim",):
             raise SearchError(f"--dim sets only 'dim'; this kernel needs "
-                              f"{', '.join(spec_dim_names)}: use --dims or --model")
+                              f"{', '.join(spec.dim_names)}: use --dims or --model")
         out = {"dim": dim}
     else:
         out = dict(dims or {})
-    optional = dict(optional_dims or {})
-    if not set(spec_dim_names) <= set(out) <= {*spec_dim_names, *optional}:
-        extra = "".join(f", optionally {k}" for k in optional)
-        raise SearchError(f"dims {out} do not match this kernel's {', '.join(spec_dim_names)}"
-                          f"{extra}")
+    if not spec.dims_named(out):
+        raise SearchError(f"dims {out} do not match this kernel's {spec.dims_text}")
     for k, v in out.items():
         if v < 0:
             raise SearchError(f"{k}={v} must be a non-negative integer")
-    return {k: v for k, v in out.items() if k not in optional or v != optional[k]}
+    return spec.short_dims(out)
 
 
 @dataclass
