@@ -336,10 +336,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         raise RuntimeError(f"fusetune.unpatch: the forward of {', '.join(sorted(set(changed)))} "
                            "was replaced again after fusetune.patch; remove that replacement "
                            "first (unpatch would drop it)")
-    for module, _ in state.forwards:
-        del module.forward
-    for m in base.modules():
-        m.__dict__.pop(_PLUS_ONE, None)
+    _unbind_all(state)
     if state.stacked:
         _unstack_projections(base, _family_named(state.family))
     delattr(base, _STATE)
@@ -633,6 +630,7 @@ def _bind(state: PatchState, module: nn.Module, fn: Callable[..., Any]) -> None:
 def _bind_all(state: PatchState, base: nn.Module, family: Family, api: CacheApi, *, fp8: bool,
               act: bool) -> None:
     eager = family.modeling().eager_attention_forward
+    gate_act = _gate_activation(family, base.config, f"fusetune.patch ({family.name})")
     for layer in base.layers:
         _bind(state, layer.self_attn, _attention_forward(
             layer.input_layernorm, family, eager, api, fp8, act,
@@ -640,7 +638,7 @@ def _bind_all(state: PatchState, base: nn.Module, family: Family, api: CacheApi,
             layer.post_attention_layernorm if family.gemma else None))
         _bind(state, layer, _layer_forward(family, api, fp8, act,
                                            getattr(layer, "resid_mlp_dropout", None),
-                                           sparse=family.sparse(layer)))
+                                           sparse=family.sparse(layer), gate_act=gate_act))
     _bind(state, base.norm, _norm_forward(family))
 
 
@@ -924,12 +922,13 @@ def _attention_forward(norm: nn.Module, family: Family, eager: Callable[..., Any
 
 
 def _layer_forward(family: Family, api: CacheApi, fp8: bool, act: bool = False,
-                   drop: nn.Module | None = None, sparse: bool = False) -> Callable[..., Any]:
+                   drop: nn.Module | None = None, sparse: bool = False, gate_act: str = "silu"
+                   ) -> Callable[..., Any]:
     """The decoder layer's forward (signature and return convention of LlamaDecoderLayer.forward:
     the new hidden states alone; the KV cache as `cache` or `past_key_values`); `drop`: the
     layer's dropout of the MLP's output before its residual add, where the family has one;
-    `sparse`: the layer's MLP is a mixture-of-experts block (`_experts`)."""
-    gate_act = "gelu_tanh" if family.gemma else "silu"
+    `sparse`: the layer's MLP is a mixture-of-experts block (`_experts`); `gate_act`: the
+    MLP gate's activation as ops.ffn takes it (`_gate_activation`)."""
 
     def forward(self: nn.Module, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None,
