@@ -507,7 +507,8 @@ def test_a_grid_stored_before_a_flag_existed_replays_with_the_flags_default(
     assert best == {"A": 8, "B": 3, "num_warps": 8, "F": 0} and t == bowl(best)
 
 
-def test_a_trial_another_search_finished_first_is_left_to_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", ["before its attributes", "before its tell"])
+def test_a_trial_another_search_finished_first_is_left_to_it(tmp_path: Path, when: str) -> None:
     # On SQLite two searches can be handed the same enqueued trial: when the other one tells it
     # first, this one's answer of a repeat is dropped (its result stands), no error
     spec = synth_spec()
@@ -517,12 +518,19 @@ def test_a_trial_another_search_finished_first_is_left_to_it(tmp_path: Path) -> 
     study = optuna.create_study(study_name="s", storage=url,
                                 sampler=STRATEGIES["fusetune-batch"].sampler(0, 4))
     other = optuna.load_study(study_name="s", storage=url)
-    def known(key: str) -> float | None:
-        # the other search finishes the trial this one was just handed, then the value is known
+
+    def finish_elsewhere(*_: object) -> None:
+        # the other search finishes the trial this one was just handed
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             other.tell(t.number, 2.0)
+
+    def known(key: str) -> float | None:
+        if when == "before its attributes":
+            finish_elsewhere()
         return 1.0
 
-    proposer = Proposer(study, space, spec, POINT, plan, known, random.Random(0), 3)
+    on_repeat = finish_elsewhere if when == "before its tell" else None
+    proposer = Proposer(study, space, spec, POINT, plan, known, random.Random(0), 3,
+                        on_repeat=on_repeat)
     assert proposer.next_batch(2) == []  # every ask a repeat (3 asks), none raised
     assert [t.value for t in study.trials] == [2.0, 2.0, 2.0]  # the other search's results

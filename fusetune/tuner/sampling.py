@@ -238,7 +238,7 @@ class Proposer:
                 if key in pending:
                     trial.set_user_attr("repeat_of", key)
                     trial.set_user_attr("status", "repeat")
-                    self.study.tell(trial, state=TrialState.FAIL)
+                    self.study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
                 else:
                     value = self.known(key)
                     if value is None:
@@ -248,16 +248,10 @@ class Proposer:
                     trial.set_user_attr("repeat_of", key)
                     if self.on_repeat is not None:
                         self.on_repeat(trial, key)
-                    self.study.tell(trial, value)
-            except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
-                # Another search was handed this very enqueued trial (on SQLite, Optuna's queue
-                # has no row locks) and finished it first: its result stands. (Optuna's tell
-                # says so with a ValueError; anything else is not this and goes on up.)
-                finished = {t.number for t in self.study.get_trials(
-                    deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL,
-                                            TrialState.PRUNED))}
-                if trial.number not in finished:
-                    raise
+                    self.study.tell(trial, value, skip_if_finished=True)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # another search was handed this very enqueued trial (on SQLite, Optuna's
+                # queue has no row locks) and finished it first: its result stands
             self._repeats += 1
             if self._repeats >= REPEATS_BEFORE_NUDGE:
                 self._nudge(pending)
