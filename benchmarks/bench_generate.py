@@ -111,6 +111,29 @@ def build(model: str, dtype: torch.dtype, seed: int, layers: int | None) -> Any:
     return m.eval()
 
 
+def decode_bytes(model: Any) -> tuple[int, str]:
+    """The weight bytes one decode step at batch 1 reads, and what they are: every weight once
+    (the embedding table only a row, unless the LM head is the same matrix), a
+    mixture-of-experts layer's experts only top-k of them. The step's floor: these bytes at
+    3.0 TB/s, the H100's measured copy rate."""
+    config = model.config
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    read = 0.0
+    for name, p in model.named_parameters():  # a tied LM head is listed once, as the table
+        share = 1.0
+        if p is embed and (head is None or head.weight is not embed):
+            share = 0.0
+        elif experts and top_k and ".experts." in f".{name}":
+            share = top_k / experts
+        read += share * p.numel() * p.element_size()
+    what = (f"16-bit weights, the experts {top_k} of {experts},"
+            if experts and top_k else "16-bit weights")
+    return int(read), what
+
+
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -275,12 +298,8 @@ def main() -> int:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
 
     model = build(args.model, dtype, 0, args.layers)
-    # The floor of one decode step at batch 1: every weight read once (the embedding table
-    # only a row) at 3.0 TB/s, the H100's measured copy rate.
-    embed = model.get_input_embeddings().weight
-    read = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * \
-        embed.element_size()
-    floor = f"weights {read / 1e9:.1f} GB: at most {3.0e12 / read:.0f} tokens/s at batch 1"
+    read, what = decode_bytes(model)
+    floor = f"{what} {read / 1e9:.1f} GB: at most {3.0e12 / read:.0f} tokens/s at batch 1"
     vocab = model.config.vocab_size
     check_ids = torch.randint(0, vocab, (1, args.check_positions), device=DEVICE, generator=gen)
     with torch.inference_mode():
@@ -304,16 +323,30 @@ def main() -> int:
 
     def measure(case: str, static: bool, check: bool) -> None:
         quality = agreement(model, check_ids, want, exact) if check or exact is not None else {}
+        fits = True
         for (b, p), ids in inputs.items():
-            r = run_case(model, ids, args.new, static, args.repeat,
-                         ttft=not static or args.static_ttft)
+            try:
+                r = run_case(model, ids, args.new, static, args.repeat,
+                             ttft=not static or args.static_ttft)
+            except torch.OutOfMemoryError as e:
+                # One way of running the model that does not fit (transformers' batched_mm
+                # experts gather a weight copy per token) is a result, not the end of the run.
+                gc.collect()
+                torch.cuda.empty_cache()
+                need = str(e).split(". ")[0]
+                print(f"{case:20s} b={b} p={p}: out of GPU memory ({need})", flush=True)
+                rows.append({"case": case, "batch": b, "prompt": p, "tokens_per_s": math.nan,
+                             "ttft_ms": math.nan, "total_s": math.nan,
+                             "error": "out of GPU memory"})
+                fits = False
+                continue
             rows.append({"case": case, "batch": b, "prompt": p, **r, **quality})
             print(f"{case:20s} b={b} p={p}: {r['tokens_per_s']:.1f} tokens/s, ttft "
                   f"{r['ttft_ms']:.1f} ms" + "".join(
                       f", logits err{k.removeprefix('logits_rel_err')} {v:.2e}"
                       if k.startswith("logits") else f", top-1{k.removeprefix('top1_agree')} "
                       f"{100 * v:.1f}%" for k, v in quality.items()), flush=True)
-        if args.profile and DEVICE == "cuda":
+        if args.profile and DEVICE == "cuda" and fits:
             profile(model, next(iter(inputs.values())), static, case)
 
     experts = [name for name in args.hf_experts.split(",") if name] or [None]
@@ -363,7 +396,7 @@ def main() -> int:
     where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (interpreter)"
     print(f"\n{where}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {args.model} ({args.layers or 'all'} layers) "
-          f"{args.dtype}, {args.new} new tokens, greedy; 16-bit {floor}")
+          f"{args.dtype}, {args.new} new tokens, greedy; {floor}")
     print("| case | batch | prompt | tokens/s | time to first token ms | logits rel. err vs "
           "unpatched | top-1 agree | logits rel. err vs float32 | top-1 agree |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -374,7 +407,8 @@ def main() -> int:
                 else "- | -")
 
     for r in rows:
-        print(f"| {r['case']} | {r['batch']} | {r['prompt']} | {r['tokens_per_s']:.1f} | "
+        speed = r.get("error") or f"{r['tokens_per_s']:.1f}"
+        print(f"| {r['case']} | {r['batch']} | {r['prompt']} | {speed} | "
               f"{r['ttft_ms']:.1f} | {q(r, '')} | {q(r, '_fp32')} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

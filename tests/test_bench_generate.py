@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import bench_generate
 
@@ -43,3 +44,30 @@ def test_cpu_without_the_interpreter_ends_without_a_traceback() -> None:
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_case_out_of_memory_is_reported_and_the_run_goes_on(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # transformers' batched_mm experts of Mixtral-8x7B ask for 56 GiB at a 128-token prompt:
+    # that case is a row saying so, and the other batch sizes and cases still run.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(sys, "argv", [
+        "bench_generate", "--device", "cpu", "--model", "tiny", "--layers", "1",
+        "--batch", "1,2", "--prompt", "4", "--new", "2", "--repeat", "1",
+        "--check-positions", "2", "--cases", "hf-eager", "--dtype", "float32"])
+    real = bench_generate.run_case
+
+    def run_case(model: object, ids: torch.Tensor, *args: object, **kwargs: object
+                 ) -> dict[str, float]:
+        if ids.shape[0] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 56.00 GiB. "
+                                         "GPU 0 has a total capacity of 139.80 GiB")
+        return real(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(bench_generate, "run_case", run_case)
+    assert bench_generate.main() == 0
+    out = capsys.readouterr().out
+    assert "hf-eager             b=2 p=4: out of GPU memory (CUDA out of memory)" in out, out
+    assert "| hf-eager | 2 | 4 | out of GPU memory |" in out, out
+    assert any(line.startswith("| hf-eager | 1 | 4 | ") and "out of" not in line
+               for line in out.splitlines()), out
