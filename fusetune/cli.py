@@ -127,8 +127,10 @@ def _resolve_points(args: PointArgs, target: Target, small: bool
         weights = ("" if args.weights is None else
                    {spec.point_weights(args.weights, d) for d in dtypes}.pop())
         activations = spec.point_activations(args.activations, weights)
-        req = Request(args.kernel, dims, args.batch or grid["batch"], args.seq or grid["seq"],
-                      dtypes, weights, activations)
+        batches, seqs = args.batch or grid["batch"], args.seq or grid["seq"]
+        if spec.default_rows and not small and args.batch is None and args.seq is None:
+            batches, seqs = list(spec.default_rows), [1]  # the kernel's own rows
+        req = Request(args.kernel, dims, batches, seqs, dtypes, weights, activations)
         points = make_points(req)
     except (SearchError, SpaceError, ValueError) as e:
         raise click.ClickException(str(e)) from None
@@ -196,6 +198,7 @@ def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = Non
         model = load_model(args.model)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    own_rows = False  # whether a kernel's default_rows replace the model's rows
     if rows_opt is not None:
         rows = [(r, 1) for r in dict.fromkeys(rows_opt)]
     elif args.batch is not None or args.seq is not None:
@@ -207,8 +210,11 @@ def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = Non
         batches = [1 << i for i in range(args.max_batch.bit_length())
                    if 1 << i <= args.max_batch]
         rows = model_rows(batches, args.prefill)
+        own_rows = not small and not _given((("max_batch", "--max-batch"),
+                                             ("prefill", "--prefill")))
     dtypes = args.dtype or [model.dtype]
     groups = []
+    own: list[str] = []
     try:
         for kernel, uses in launched_dims(model, training).items():
             spec = get_spec(kernel)
@@ -220,14 +226,20 @@ def _model_groups(args: PointArgs, small: bool, rows_opt: list[int] | None = Non
             elif args.activations != "16bit" and args.weights is None:
                 raise click.ClickException("--activations fp8 needs --weights fp8-e4m3 or "
                                            "fp8-e5m2")
+            kernel_rows = rows
+            if own_rows and spec.default_rows:
+                kernel_rows = [(r, 1) for r in spec.default_rows]
+                own.append(f"{kernel} at rows {', '.join(map(str, spec.default_rows))}")
             for _, dims in uses:
                 points = [Point.make(kernel, dims, b, s, d, weights, activations)
-                          for d in dtypes for b, s in rows]
+                          for d in dtypes for b, s in kernel_rows]
                 groups.append((spec, space, points))
     except (SearchError, SpaceError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     err.print(f"[bold]{model.name}[/]: {len(groups)} kernels and dims, rows "
-              f"{', '.join(str(b * s) for b, s in rows)}, {','.join(dtypes)}")
+              f"{', '.join(str(b * s) for b, s in rows)}"
+              + "".join(f" ({o}: its own, --max-batch and --prefill replace them)" for o in own)
+              + f", {','.join(dtypes)}")
     return groups
 
 

@@ -139,7 +139,8 @@ _MODEL_DEFAULTS: dict[str, Any] = {"max_batch": 8, "prefill": [512, 4096]}
 _MODEL_ROWS = (
     click.option("--max-batch", type=click.IntRange(min=1), default=_MODEL_DEFAULTS["max_batch"],
                  show_default=True,
-                 help="--kernel all: decode batch sizes 1, 2, 4, ... up to this."),
+                 help="--kernel all: decode batch sizes 1, 2, 4, ... up to this. Left out "
+                      "with --prefill too, moe takes its own token counts (1-8192)."),
     click.option("--prefill", callback=int_list,
                  default=",".join(map(str, _MODEL_DEFAULTS["prefill"])), show_default=True,
                  help="--kernel all: prefill token counts (a batch of one prompt each)."),
@@ -151,7 +152,8 @@ _OPTIONS = (
                  help="All dims as name=value,... (instead of --model)."),
     click.option("--batch", callback=int_list, default=None,
                  help="Batch sizes, comma-separated. Default: "
-                      f"{','.join(map(str, DEFAULT_GRID['batch']))}."),
+                      f"{','.join(map(str, DEFAULT_GRID['batch']))} (moe: the token counts a "
+                      "server hands a layer, 1, 2, 4, ... 8192, at seq 1)."),
     click.option("--seq", callback=int_list, default=None,
                  help="Sequence lengths (1 = decode). Default: "
                       f"{','.join(map(str, DEFAULT_GRID['seq']))}."),

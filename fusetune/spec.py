@@ -208,6 +208,11 @@ class KernelSpec:
     - `optional_dims`: dims beside dim_names with a default (qkv's qk_norm: 0), which points,
       tables and lookups leave out at that value (`short_dims`): tables from before the kernel
       gained the argument keep their keys.
+    - `default_rows`: the row counts `search` tunes the kernel at where no rows are given (no
+      --batch, --seq, --rows, --max-batch or --prefill), each a point of that batch and seq 1;
+      empty: those of the search's grid (`search --kernel K`) or of the model's path
+      (`--kernel all`). moe's: the token counts a server hands one layer, decode (a few
+      pairs an expert, most experts idle) to prefill (thousands), whose best structures differ.
 
     What a kernel declared with `fusetune.autotune` (or any kernel outside fusetune) sets
     besides, where the built-ins keep the defaults:
@@ -266,6 +271,7 @@ class KernelSpec:
     other_triton: str = "ignore"
     algorithm_keys: tuple[str, ...] = ()
     optional_dims: Mapping[str, int] = field(default_factory=dict)
+    default_rows: tuple[int, ...] = ()
 
     @property
     def all_dim_names(self) -> tuple[str, ...]:

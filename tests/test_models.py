@@ -286,6 +286,51 @@ def test_search_all_at_rows_plans_one_point_per_row_count(monkeypatch: pytest.Mo
         assert {p.weights for p in points} == {"" if kernel == "rmsnorm" else weights or ""}
 
 
+SERVER_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+
+
+@pytest.mark.parametrize(("extra", "moe_rows", "dense_rows"), [
+    ([], SERVER_TOKENS, [1, 2, 4, 8, 512, 4096]),
+    (["--max-batch", "2"], [1, 2, 512, 4096], [1, 2, 512, 4096]),
+    (["--prefill", "1024"], [1, 2, 4, 8, 1024], [1, 2, 4, 8, 1024]),
+    (["--rows", "1,64"], [1, 64], [1, 64]),
+])
+def test_search_all_of_a_moe_model_tunes_the_experts_at_a_servers_token_counts(
+        monkeypatch: pytest.MonkeyPatch, extra: list[str], moe_rows: list[int],
+        dense_rows: list[int]) -> None:
+    # Decode batches up to 256 and prefills to 8192 for the experts, whose best structure
+    # changes across them; the dense kernels keep the model's rows. Rows given in any way
+    # are every kernel's.
+    r, seen = planned(monkeypatch, "--model", "mixtral-8x7b", *extra)
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())  # as printed, folded to the terminal's width
+    assert ("(moe at rows 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192: its "
+            "own" in said) == (not extra), said
+    rows: dict[str, list[int]] = {}
+    for spec, p in seen:
+        rows.setdefault(spec.name, [])
+        if p.batch * p.seq not in rows[spec.name]:
+            rows[spec.name].append(p.batch * p.seq)
+    assert rows.pop("moe") == moe_rows
+    assert set(rows) == {"qkv", "linear", "rmsnorm"}
+    assert all(r == dense_rows for r in rows.values()), rows
+
+
+def test_search_moe_alone_tunes_a_servers_token_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(cli, "_print_plan", lambda spec, space, points, target, trials:
+                        seen.extend(points))
+    r = CliRunner().invoke(cli.main, ["search", "--kernel", "moe", "--model", "qwen3-30b-a3b",
+                                      "--gpu", "h200", "--dtype", "bfloat16", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert [(p.batch, p.seq) for p in seen] == [(t, 1) for t in SERVER_TOKENS]
+    r = CliRunner().invoke(cli.main, ["search", "--kernel", "moe", "--model", "qwen3-30b-a3b",
+                                      "--gpu", "h200", "--dtype", "bfloat16", "--batch", "3",
+                                      "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert [(p.batch, p.seq) for p in seen[len(SERVER_TOKENS):]] == [(3, 1), (3, 512)]
+
+
 def test_points_searched_at_rows_are_what_coverage_reports_exact(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fresh_tables: None) -> None:
     # A table with an entry for every point that `search --rows` tunes (each at its default

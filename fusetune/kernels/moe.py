@@ -82,6 +82,9 @@ from fusetune.spec import (
 )
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "UNFUSED")
+# The tokens a server hands one layer (`search`'s rows where none are given): decode batches
+# up to 256 and prefills from 512 to 8192.
+SERVER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Every other key of an UNFUSED config means nothing: its one canonical config.
 _UNFUSED_CONFIG: Config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4,
                            "num_stages": 2, "UNFUSED": 1}
@@ -658,4 +661,5 @@ SPEC = KernelSpec(
     flags={"UNFUSED": 0},
     algorithm_keys=("UNFUSED",),
     unfused_form="torch._grouped_mm, SiLU·mul, torch._grouped_mm, weighted sum",
+    default_rows=SERVER_TOKENS,
 )
