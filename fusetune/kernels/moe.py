@@ -268,7 +268,7 @@ def _rank_kernel(IDS, COUNTS, RANK, n, E, BLOCK: tl.constexpr):
 @triton.jit
 def _place_kernel(IDS, COUNTS, RANK, PAIRS, BLOCK_EXPERT, PER_PAIR, n, E, n_blocks, D,
                   stride_pp, BLOCK_M: tl.constexpr, E_P2: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+                  BLOCK_D: tl.constexpr, NAN_ROWS: tl.constexpr):
     pid = tl.program_id(0)
     ex = tl.arange(0, E_P2)
     count = tl.load(COUNTS + ex, mask=ex < E, other=0)
@@ -284,12 +284,19 @@ def _place_kernel(IDS, COUNTS, RANK, PAIRS, BLOCK_EXPERT, PER_PAIR, n, E, n_bloc
     tl.store(PAIRS + start + rank, offs.to(tl.int32), mask=ok)
     # A pair whose id names no expert: its row of the per-pair output is NaN (no launch writes
     # it), so the token's output is NaN rather than a sum that silently left an expert out.
+    # Only a block that has such a pair walks its rows, NAN_ROWS at a time (a [BLOCK, BLOCK_D]
+    # tile of addresses would not fit a thread's registers at BLOCK 1024).
     bad = (offs < n) & ((e < 0) | (e >= E))
-    for d0 in range(0, D, BLOCK_D):
-        rd = d0 + tl.arange(0, BLOCK_D)
-        tl.store(PER_PAIR + offs[:, None].to(tl.int64) * stride_pp + rd[None, :],
-                 tl.full([BLOCK, BLOCK_D], float("nan"), tl.float32),
-                 mask=bad[:, None] & (rd[None, :] < D))
+    if tl.sum(bad.to(tl.int32), axis=0) > 0:
+        for r0 in range(0, BLOCK, NAN_ROWS):
+            ro = pid * BLOCK + r0 + tl.arange(0, NAN_ROWS)
+            er = tl.load(IDS + ro, mask=ro < n, other=0).to(tl.int32)
+            bad_r = (ro < n) & ((er < 0) | (er >= E))
+            for d0 in range(0, D, BLOCK_D):
+                rd = d0 + tl.arange(0, BLOCK_D)
+                tl.store(PER_PAIR + ro[:, None].to(tl.int64) * stride_pp + rd[None, :],
+                         tl.full([NAN_ROWS, BLOCK_D], float("nan"), tl.float32),
+                         mask=bad_r[:, None] & (rd[None, :] < D))
     # Block b's expert: how many experts' padded rows end at or before its first row (E or
     # more: a block past the last expert's, skipped by the launches).
     b = pid * BLOCK + tl.arange(0, BLOCK)
@@ -322,7 +329,8 @@ def group_pairs(topk_ids: torch.Tensor, experts: int, block_m: int,
     direct(_place_kernel)[(cdiv(max(n, blocks), block),)](
         flat, counts, rank, pairs, block_expert, per_pair, n, experts, blocks,
         per_pair.shape[1], per_pair.stride(0),
-        BLOCK_M=block_m, E_P2=e_p2, BLOCK=block, BLOCK_D=64, num_warps=4)
+        BLOCK_M=block_m, E_P2=e_p2, BLOCK=block, BLOCK_D=64, NAN_ROWS=min(16, block),
+        num_warps=4)
     return pairs, block_expert
 
 

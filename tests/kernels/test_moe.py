@@ -83,6 +83,26 @@ def test_ids_outside_the_experts_give_nan_rows(name: str) -> None:
     assert torch.allclose(got[[0, 2]], want[[0, 2]], atol=1e-5)
 
 
+def test_nan_rows_past_the_first_rows_of_a_block() -> None:
+    # The grouped structure's rows of pairs with a bad id are set NaN a few rows at a time:
+    # a bad pair well inside a block (pair 41) and one in its last rows (pair 59).
+    torch.manual_seed(1)
+    t = 30
+    x = torch.randn(t, 32)
+    gate_up, down = torch.randn(4, 48, 32) / 6, torch.randn(4, 32, 24) / 5
+    ok = torch.randint(0, 4, (t, 2))
+    ok[:, 1] = (ok[:, 0] + 1) % 4
+    ids = ok.clone()
+    ids[20, 1], ids[29, 1] = 9, -1
+    w = torch.full((t, 2), 0.5)
+    got = fusetune.moe(x, gate_up, down, ids, w, config=CONFIGS["decode tile"])
+    assert got[[20, 29]].isnan().all()
+    want = moe_mod._reference({"x": x, "gate_up": gate_up, "down": down, "topk_ids": ok,
+                               "topk_weights": w})["out"]
+    rest = [i for i in range(t) if i not in (20, 29)]
+    assert torch.allclose(got[rest], want[rest], atol=1e-5)
+
+
 def test_bad_inputs() -> None:
     x, gu, dn = torch.randn(3, 8), torch.randn(2, 12, 8), torch.randn(2, 8, 6)
     ids, w = torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1)
