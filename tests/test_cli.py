@@ -600,9 +600,12 @@ def test_resume_keeps_results_and_adds_trials(db_url: str, tmp_path: Path) -> No
     assert counts[(1, 1)] >= 6 and counts[(3, 1)] >= 6, counts
 
     trials_before = study_trial_counts(db_url)
+    winners_before = query(db_url, "SELECT * FROM ft_winners ORDER BY point_id")
     run_search(db_url, tmp_path, *grid, "--trials", "6")
     assert results_rows(db_url) == second  # nothing new stored, nothing changed
     assert study_trial_counts(db_url) == trials_before  # and nothing run again
+    # nor re-timed: the winners stand as picked (time, default's time, updated_at)
+    assert query(db_url, "SELECT * FROM ft_winners ORDER BY point_id") == winners_before
 
 
 def _start_and_kill(cmd: list[str], db_url: str, log_path: Path, min_results: int) -> None:

@@ -449,7 +449,8 @@ class PointTuner:
     def finish(self) -> PointResult:
         """Re-times the best few beside the default (and the point's stored winner, if it has
         one), interleaved; stores the fastest as the winner (picked from every stored result of
-        the point, other searches' too) and reports the winner the database holds then.
+        the point, other searches' too) and reports the winner the database holds then. A
+        point whose stored winner was picked from the results it has now is reported as it is.
 
         Like with like: the stored winner is replaced only by a pick re-timed beside it in this
         session. Where another search stored a winner meanwhile (two finishing one point at
@@ -463,6 +464,11 @@ class PointTuner:
                           n_evaluated=len(self.results), n_new=self.n_new,
                           statuses=Counter(r.status for r in self.results.values()),
                           compile_s=self.compile_s, compiled_ahead=self.compiled_ahead)
+        if seen is not None and self.n_new == 0 and seen.n_evaluated == len(self.results):
+            # The stored winner was picked from these very results: a search resumed over
+            # finished points (a killed `--points` re-tune) goes on to the unfinished ones
+            # instead of compiling and re-timing every finished point's finalists again.
+            return _reported(res, seen)
         ok = sorted((r for r in self.results.values() if r.status == "ok" and r.time_us),
                     key=lambda r: r.time_us)
         if not ok:
