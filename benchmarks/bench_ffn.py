@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetune
-from benchmarks.timing import gemm_report, heading, parser, run, start
+from benchmarks.timing import compile_static, gemm_report, heading, parser, run, start
 from fusetune.kernels.ffn import SPEC
 from fusetune.spec import Point
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = start(args)
     if gpu is None:
         return 2
-    compiled = torch.compile(eager_ffn)
+    compiled = compile_static(eager_ffn)
     cases = [make_case(int(m), args.dim, args.hidden, dt, gpu, compiled)
              for dt in args.dtype.split(",") for m in args.rows.split(",")]
     medians, host = run(args, cases)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetune
-from benchmarks.timing import gemm_report, heading, parser, run, start
+from benchmarks.timing import compile_static, gemm_report, heading, parser, run, start
 from fusetune.kernels.linear import SPEC
 from fusetune.spec import Point
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = start(args)
     if gpu is None:
         return 2
-    compiled = torch.compile(eager_linear)
+    compiled = compile_static(eager_linear)
     keys = dict.fromkeys(WEIGHTS[f] for f in formats)  # bf16 and fp16 are one case
     cases = [make_case(proj, int(m), weights, dt, gpu, compiled)
              for dt in args.dtype.split(",") for weights in keys for proj in projs

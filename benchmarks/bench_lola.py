@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetune
-from benchmarks.timing import gemm_report, heading, parser, run, start
+from benchmarks.timing import compile_static, gemm_report, heading, parser, run, start
 from fusetune.kernels.lola import SPEC
 from fusetune.spec import Point
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = start(args)
     if gpu is None:
         return 2
-    compiled = torch.compile(eager_lola)
+    compiled = compile_static(eager_lola)
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     cases = [make_case(m, d, n, dt, gpu, compiled) for dt in args.dtype.split(",")
              for m, d, n in shapes]

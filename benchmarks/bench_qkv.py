@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetune
-from benchmarks.timing import gemm_report, heading, parser, run, start
+from benchmarks.timing import compile_static, gemm_report, heading, parser, run, start
 from fusetune.kernels.qkv import SPEC
 from fusetune.kernels.rope import rotary_tables
 from fusetune.models import preset
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dims = {**SPEC.dims_from_model(preset(args.model)),
             "interleaved": int(args.layout == "interleaved")}
-    compiled = torch.compile(eager_qkv)
+    compiled = compile_static(eager_qkv)
     cases = [make_case(int(m), dims, dt, gpu, compiled)
              for dt in args.dtype.split(",") for m in args.rows.split(",")]
     medians, host = run(args, cases)

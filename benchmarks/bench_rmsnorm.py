@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 import fusetune
-from benchmarks.timing import heading, parser, report, run, start
+from benchmarks.timing import compile_static, heading, parser, report, run, start
 from fusetune.kernels.rmsnorm import SPEC
 from fusetune.spec import Point
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpu is None:
         return 2
     liger = liger_rmsnorm()
-    compiled = torch.compile(eager_rmsnorm)
+    compiled = compile_static(eager_rmsnorm)
     d = args.dim
     head = heading(gpu, f"D={d}; (TB/s) beside each time", graphs=not args.no_graph)
     cols = ["dtype", "M", "MB moved", "floor µs", "tuned", "default", "eager", "compile",

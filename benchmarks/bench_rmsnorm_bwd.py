@@ -30,7 +30,15 @@ import torch
 
 import fusetune
 from benchmarks.bench_rmsnorm import eager_rmsnorm
-from benchmarks.timing import heading, keep_saved_tensors, parser, report, run, start
+from benchmarks.timing import (
+    compile_static,
+    heading,
+    keep_saved_tensors,
+    parser,
+    report,
+    run,
+    start,
+)
 from fusetune.kernels.rmsnorm_bwd import SPEC
 from fusetune.spec import Point
 
@@ -135,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpu is None:
         return 2
     keep_saved_tensors()
-    compiled = torch.compile(lambda a, b: eager_rmsnorm(a, b, EPS))
+    compiled = compile_static(lambda a, b: eager_rmsnorm(a, b, EPS))
     head = heading(gpu, "dx and dweight; (TB/s) beside each time, counting x and dy read and "
                         "dx written", graphs=not args.no_graph, plain=PLAIN_BACKWARD)
     cols = ["dtype", "M x D", "MB moved", "floor µs", "tuned", "default", "eager", "compile",

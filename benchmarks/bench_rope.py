@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import fusetune
-from benchmarks.timing import heading, parser, report, run, start
+from benchmarks.timing import compile_static, heading, parser, report, run, start
 from fusetune.kernels.rope import SPEC, rotary_tables
 from fusetune.spec import Point
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = start(args)
     if gpu is None:
         return 2
-    compiled = {"llama": torch.compile(llama_rope), "hf": torch.compile(hf_rope)}
+    compiled = {"llama": compile_static(llama_rope), "hf": compile_static(hf_rope)}
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     cases = [make_case(shape, layout == "interleaved", dt, gpu, compiled)
              for dt in args.dtype.split(",") for layout in args.layouts.split(",")

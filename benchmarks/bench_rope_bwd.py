@@ -26,7 +26,16 @@ import torch
 
 import fusetune
 from benchmarks.bench_rope import hf_rope, llama_rope, table, tables_for
-from benchmarks.timing import PLAIN, heading, keep_saved_tensors, parser, report, run, start
+from benchmarks.timing import (
+    PLAIN,
+    compile_static,
+    heading,
+    keep_saved_tensors,
+    parser,
+    report,
+    run,
+    start,
+)
 from fusetune.kernels.rope_bwd import SPEC, rope_bwd
 from fusetune.spec import Point
 
@@ -117,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpu is None:
         return 2
     keep_saved_tensors()
-    compiled = {"llama": torch.compile(llama_rope), "hf": torch.compile(hf_rope)}
+    compiled = {"llama": compile_static(llama_rope), "hf": compile_static(hf_rope)}
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     cases = [make_case(shape, layout == "interleaved", dt, gpu, compiled)
              for dt in args.dtype.split(",") for layout in args.layouts.split(",")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetune
-from benchmarks.timing import heading, parser, report, run, start
+from benchmarks.timing import compile_static, heading, parser, report, run, start
 from fusetune.kernels.swiglu import SPEC
 from fusetune.spec import Point
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = start(args)
     if gpu is None:
         return 2
-    compiled = torch.compile(eager_swiglu)
+    compiled = compile_static(eager_swiglu)
     liger = liger_swiglu()
     cases = [make_case(m, args.hidden, dt, gpu, compiled, liger)
              for dt in args.dtype.split(",") for m in (int(v) for v in args.rows.split(","))]

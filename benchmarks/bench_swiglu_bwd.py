@@ -24,7 +24,16 @@ import torch
 import fusetune
 from benchmarks.bench_rope_bwd import AUTOGRAD
 from benchmarks.bench_swiglu import IMPLS, copy_of, eager_swiglu, gate_inputs, table
-from benchmarks.timing import PLAIN, heading, keep_saved_tensors, parser, report, run, start
+from benchmarks.timing import (
+    PLAIN,
+    compile_static,
+    heading,
+    keep_saved_tensors,
+    parser,
+    report,
+    run,
+    start,
+)
 from fusetune.kernels.swiglu_bwd import SPEC, swiglu_bwd
 from fusetune.spec import Point
 
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpu is None:
         return 2
     keep_saved_tensors()
-    compiled = torch.compile(eager_swiglu)
+    compiled = compile_static(eager_swiglu)
     try:
         import liger_kernel.ops.swiglu  # noqa: F401
         liger = True

@@ -32,6 +32,7 @@ PLAIN = frozenset({"copy"})
 # whatever was timed after the compiled case on the same tensors read part of them from the
 # L2 (at 4096 x 4096 RMSNorm the copy and every kernel timed after it ran 8-10% faster).
 TIMED_LAST = frozenset({"compile"})
+STATIC_SHAPES = 4096  # compile_static: more shapes than a benchmark run times
 
 
 def parser(doc: str, impls: Sequence[str]) -> argparse.ArgumentParser:
@@ -86,6 +87,19 @@ def run(args: argparse.Namespace, cases: Sequence[dict[str, Any]],
     """time_cases with the command line's --impls, --rounds and --no-graph."""
     return time_cases(cases, args.impls.split(","), args.rounds, graphs=not args.no_graph,
                       plain=plain)
+
+
+def compile_static(fn: Callable[..., Any], backend: Any = "inductor") -> Callable[..., Any]:
+    """torch.compile of a benchmark's torch code, compiled for each input shape on its own
+    (static shapes), as a model compiled at one shape runs it. Left to its defaults, dynamo
+    recompiles a function met at a second shape for any size (dynamic shapes: other kernels
+    than a static compile's), and past its recompile limit (8 versions of one function) runs
+    it uncompiled with only a warning: the compile column of every later shape would time
+    eager code. The limits are raised past any run's number of shapes."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, STATIC_SHAPES)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, STATIC_SHAPES)
+    return torch.compile(fn, dynamic=False, backend=backend)
 
 
 def median_us(fn: Fn) -> float:
