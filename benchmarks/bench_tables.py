@@ -119,8 +119,9 @@ def entries(gpu: str, kernels: list[str], model: str | None, weights: str | None
 
 def _compile(kernel: str, point: Any, configs: list[dict[str, int]], device: str
              ) -> list[str]:
-    """In a compile process: each config of `point` compiled into Triton's cache (not run);
-    the errors, one line each (the timing process reports them again as it checks)."""
+    """In a compile process: each config of `point` compiled into Triton's cache (not run),
+    then torch.compile's column warmed; the errors, one line each (the timing process reports
+    them again as it checks)."""
     import torch
 
     from fusetune.kernels import get_spec
@@ -144,6 +145,24 @@ def _compile(kernel: str, point: Any, configs: list[dict[str, int]], device: str
     finally:
         del compile_config  # the inputs, given back to the device for the other processes
         if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    eager = _eager(kernel) if device.startswith("cuda") else None
+    if eager is not None:
+        # torch.compile of the model's code at this point, once: inductor's on-disk caches (its
+        # graphs, their Triton kernels) then serve the timing process's compile of the entry,
+        # which otherwise compiles every entry's shape itself, one after the other.
+        import torch._inductor.config
+
+        from benchmarks.timing import compile_static
+
+        torch._inductor.config.compile_threads = 1  # the --jobs processes are the parallelism
+        try:
+            torch._dynamo.reset()
+            compile_static(eager)(get_spec(kernel).make_inputs(point, device))
+        except Exception:  # the timing process compiles it itself and reports the error
+            pass
+        finally:
+            torch._dynamo.reset()
             torch.cuda.empty_cache()
     return errors
 
