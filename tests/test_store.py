@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import sys
 import threading
 import warnings
@@ -149,6 +150,27 @@ def test_set_winner_replaces_the_winner_it_was_compared_with(db_url: str) -> Non
     assert (w.config, w.time_us, w.default_config, w.default_us, w.n_evaluated) == (
         CFG_C, 4.0, CFG_B, None, 7)
     assert (w.bytes, w.flops) == (1000, 500)
+
+
+def test_a_point_with_its_winner_is_in_the_sqlite_file_itself(tmp_path: Path) -> None:
+    # SQLite's write-ahead log holds what was written until it is copied into the file: a
+    # search killed later, its database file copied elsewhere without the -wal beside it,
+    # must not lose the points it finished.
+    path = tmp_path / "ft.db"
+    store = Store(f"sqlite:///{path}")
+    pid = store.point_id(key())
+    store.record(pid, config_key(CFG_A), CFG_A, "ok", time_us=5.0)
+    store.set_winner(pid, CFG_A, 5.0, CFG_B, 6.0, 1000, 500, 1)
+    assert (tmp_path / "ft.db-wal").exists()  # the search still runs: its log is open
+    copy = tmp_path / "copy.db"
+    shutil.copyfile(path, copy)
+    copied = Store(f"sqlite:///{copy}", create=False)
+    try:
+        assert [(w.config, w.time_us) for _, w in copied.winners()] == [(CFG_A, 5.0)]
+        assert len(copied.results(pid)) == 1
+    finally:
+        copied.engine.dispose()
+        store.engine.dispose()
 
 
 def test_winners_filter_by_gpu_and_kernel(db_url: str) -> None:

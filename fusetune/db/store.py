@@ -331,7 +331,19 @@ class Store:
         if stored is None:  # `replaces` is gone with its row: nothing to keep
             return self.set_winner(point_id, config, time_us, default_config, default_us,
                                    nbytes, flops, n_evaluated)
+        self.checkpoint()
         return stored
+
+    def checkpoint(self) -> None:
+        """SQLite: what its write-ahead log holds copied into the database file (PASSIVE: not
+        waiting for readers; what it cannot copy now goes at a later one). Called as each point
+        gets its winner, so that a search killed later leaves every finished point in the file
+        itself: a copy of the file without its -wal beside it (to another host, say) does not
+        silently lack them. PostgreSQL: nothing to do."""
+        if self.engine.dialect.name != "sqlite":
+            return
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
 
     def winners(self, gpu: str | None = None, kernel: str | None = None
                 ) -> list[tuple[PointRow, WinnerRow]]:
