@@ -19,8 +19,9 @@ is slower than the default, or a config fails. Configs compile first in parallel
 a spawned process, with --devices one per GPU (the entries shared out over several GPUs of one
 model; an entry and its default always on the same GPU): a process that dies (an illegal
 memory access, a crash of the compiler or the driver) fails the entry it was on, with that
-reason, and a new process goes on with the rest. Ctrl-C (or SIGINT from `timeout -s INT`)
-stops the timing: the entries measured so far are reported, the rest counted as not measured.
+reason, and a new process goes on with the rest. Ctrl-C or SIGTERM (`timeout`'s signal, a job
+scheduler's stop) stops the timing: the entries measured so far are reported, the rest counted
+as not measured.
 
 `--device cpu` runs the flow on Triton's interpreter (the interpreter's tables, small dims;
 timings meaningless).
@@ -46,6 +47,23 @@ from typing import Any
 from benchmarks.script_args import doc_summary
 
 ROUNDS = 3
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_on_term() -> None:
+    """SIGTERM (timeout's default signal, a job scheduler's stop) ends the run as Ctrl-C does:
+    what was measured is reported. Each process installs it (spawned ones start without)."""
+    signal.signal(signal.SIGTERM, _stop)
+
+
+def ignore_stops() -> None:
+    """After the first stop: a second (timeout signals the process, then its group) must not
+    interrupt the report of what was measured."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 @dataclass
@@ -277,9 +295,7 @@ def measure(todo: list[Entry], backend: str, device: str, rounds: int, rep_ms: i
             print(f"[{device} {i + 1}/{len(todo)}] {e.label}: {verdict(e)}", file=sys.stderr)
             sent(i, e)
     except KeyboardInterrupt:
-        # `timeout -s INT` signals the process and then its group: the second must not
-        # interrupt the rest.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        ignore_stops()
 
 
 def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) -> None:
@@ -333,6 +349,7 @@ def _measure_child(todo: list[Entry], backend: str, device: str, rounds: int, re
     (what was measured survives the process), then None."""
     import torch
 
+    stop_on_term()
     try:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -340,7 +357,7 @@ def _measure_child(todo: list[Entry], backend: str, device: str, rounds: int, re
                 lambda i, e: conn.send((i, e.times, e.failed, e.compile_us, e.unfused)))
     except KeyboardInterrupt:  # before measuring began (still importing): nothing measured
         pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second interrupt must not lose the end
+    ignore_stops()  # a second interrupt must not lose the end
     conn.send(None)
     conn.close()
 
@@ -375,7 +392,7 @@ def measure_devices(todo: list[Entry], backend: str, devices: list[str], rounds:
             ready = wait(list(running))
         except KeyboardInterrupt:  # stop every process; each still reports what it measured
             interrupted = True
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # once is enough (see measure)
+            ignore_stops()  # once is enough
             for proc, _, _ in running.values():
                 if proc.is_alive():
                     os.kill(proc.pid, signal.SIGINT)
@@ -500,6 +517,7 @@ def main() -> int:
     ap.add_argument("--markdown", help="write the table here too")
     ap.add_argument("--json", help="write every entry's timings here")
     args = ap.parse_args()
+    stop_on_term()
 
     import fusetune
     from fusetune import gpus
@@ -546,7 +564,12 @@ def main() -> int:
         spec, p = get_spec(e.kernel), e.point()
         e.default = dict(spec.canonical(spec.default_config(p, gpu), p))
     print(f"{len(todo)} entries of {gpu.name}", file=sys.stderr)
-    compile_all(todo, devices[0], args.jobs)
+    try:
+        compile_all(todo, devices[0], args.jobs)
+    except KeyboardInterrupt:
+        ignore_stops()
+        print("interrupted while compiling: nothing measured", file=sys.stderr)
+        return 130
     complete = measure_devices(todo, backend, devices, args.rounds, args.rep_ms)
     status = report(todo, gpu, devices, args.markdown, args.json)
     if not complete:

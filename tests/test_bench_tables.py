@@ -156,3 +156,49 @@ def test_a_compile_process_without_room_for_the_inputs_leaves_them_to_the_timing
     monkeypatch.setattr(compile_ahead, "warmup_compiler", no_room)
     errors = bench_tables._compile("rmsnorm", point, [RMSNORM], "cpu")
     assert errors == ["inputs: RuntimeError: CUDA out of memory. Tried to allocate 896.00 MiB"]
+
+
+def test_sigterm_reports_what_was_measured(tmp_path: Path) -> None:
+    # `timeout`'s default signal, sent to the process and then its group (the timing process
+    # too), once the first entry is measured: the run reports it and counts the rest as not
+    # measured, as after Ctrl-C, instead of dying with nothing written.
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from cli_helpers import interp_env
+
+    rows = [1, 2, 3, 4, 5, 6, 7, 8]
+    table = tmp_path / "t.yaml"
+    table.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {}, "gpus": {
+        "interpreter": {"linear": [{"dims": LINEAR_DIMS, "dtype": "float32", "batch": r,
+                                    "seq": 1, "config": LINEAR} for r in rows]}}}))
+    out_json = tmp_path / "out.json"
+    log = tmp_path / "log"
+    root = Path(bench_tables.__file__).resolve().parent.parent
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_tables", "--device", "cpu", "--tables",
+             str(table), "--rounds", "20", "--json", str(out_json)],
+            cwd=root, env=interp_env(), stdout=f, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "[cpu 1/8]" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "no entry measured within 120 s"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    verdicts = [r["verdict"] for r in json.loads(out_json.read_text())]
+    assert len(verdicts) == len(rows)
+    assert verdicts.count("not measured") < len(rows)  # the first, at least, measured
+    assert "not measured" in verdicts, verdicts  # stopped before the end
+    assert "entries not measured" in log.read_text()
