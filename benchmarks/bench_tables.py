@@ -135,6 +135,18 @@ def entries(gpu: str, kernels: list[str], model: str | None, weights: str | None
     return list(out.values())
 
 
+def _compiled_afresh(eager: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+    """torch.compile of an entry's torch code (timing.compile_static) with dynamo's caches
+    emptied first: one process meets hundreds of shapes of the same function, each entry's
+    compiled on its own."""
+    import torch
+
+    from benchmarks.timing import compile_static
+
+    torch._dynamo.reset()
+    return compile_static(eager)
+
+
 def _compile(kernel: str, point: Any, configs: list[dict[str, int]], device: str
              ) -> list[str]:
     """In a compile process: each config of `point` compiled into Triton's cache (not run),
@@ -171,12 +183,9 @@ def _compile(kernel: str, point: Any, configs: list[dict[str, int]], device: str
         # which otherwise compiles every entry's shape itself, one after the other.
         import torch._inductor.config
 
-        from benchmarks.timing import compile_static
-
         torch._inductor.config.compile_threads = 1  # the --jobs processes are the parallelism
         try:
-            torch._dynamo.reset()
-            compile_static(eager)(get_spec(kernel).make_inputs(point, device))
+            _compiled_afresh(eager)(get_spec(kernel).make_inputs(point, device))
         except Exception:  # the timing process compiles it itself and reports the error
             pass
         finally:
@@ -316,14 +325,9 @@ def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) 
             e.failed[name] = f"{out.status}: {out.reason}"
     eager = _eager(e.kernel) if backend == "cuda" else None
     if eager is not None and not e.failed:
-        import torch
         from triton.testing import do_bench
 
-        from benchmarks.timing import compile_static
-
-        # Each entry compiled afresh: one process times hundreds of shapes of one function.
-        torch._dynamo.reset()
-        compiled = compile_static(eager)
+        compiled = _compiled_afresh(eager)
         inputs = dict(ev.inputs)
         compiled(inputs)  # compiles, outside the timing
         for _ in range(rounds):
