@@ -197,8 +197,8 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Te
                 act: bool, gate: int = 0) -> None:
     """UNFUSED = 1 (_unfused): RMSNorm (its tuned config), then cuBLAS: one GEMM over W1 and
     W3 where they are one stacked matrix (fusetune.patch makes them views of one), else one
-    each (FP8 weights upcast with their scales); then SiLU·mul (swiglu's tuned config), or
-    GeGLU's gelu·mul in float32 by torch."""
+    each (FP8 weights upcast with their scales); then the gate's activation · b in one pass,
+    float32 (swiglu's kernel and tuned config: silu, or GeGLU's gelu in its tanh form)."""
     from fusetune.kernels.swiglu import SPEC as SWIGLU
     from fusetune.kernels.swiglu import _launch_2d as swiglu_2d
     from fusetune.runtime import cached_config
@@ -217,12 +217,9 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Te
     else:
         a = _unfused.matmul(xn, w1, s1, torch.empty((m, hidden), dtype=x.dtype, device=x.device))
         b = _unfused.matmul(xn, w3, s3, torch.empty((m, hidden), dtype=x.dtype, device=x.device))
-    if ACTIVATIONS[gate] == "gelu_tanh":
-        torch.mul(torch.nn.functional.gelu(a.float(), approximate="tanh"), b.float(), out=out)
-        return
     cfg = cached_config(SWIGLU, (("hidden", hidden),), dtype_name(x.dtype), m, "", x.device,
                         warn=False)
-    swiglu_2d(a, b, out, cfg)
+    swiglu_2d(a, b, out, cfg, gate=gate)
 
 
 # The gate's activations (the point's optional dim `act` is an index of this): Llama's SiLU

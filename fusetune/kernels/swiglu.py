@@ -42,6 +42,7 @@ def _swiglu_kernel(
     stride_am, stride_bm, stride_ym,  # row strides
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    GATE: tl.constexpr = 0,  # the gate's activation: 0 silu (SwiGLU), 1 gelu, tanh form (GeGLU)
 ):
     # Program p owns rows [rb*ROWS, rb*ROWS + ROWS) x columns [cb*BLOCK, cb*BLOCK + BLOCK):
     # the column blocks of one row block are neighbours (_glu.grid); lanes past M or H masked.
@@ -53,18 +54,27 @@ def _swiglu_kernel(
     r = rows.to(tl.int64)[:, None]  # row offsets in int64: M*H can pass 2**31
     a = tl.load(A + r * stride_am + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + r * stride_bm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = a * tl.sigmoid(a) * b
+    if GATE == 0:
+        y = a * tl.sigmoid(a) * b
+    else:
+        # gelu(a) = 0.5·a·(1 + tanh(√(2/π)·(a + 0.044715·a³))) = a·σ(2·√(2/π)·(…)), as ffn's
+        # epilogue computes it
+        z = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+        y = a * tl.sigmoid(2.0 * z) * b
     tl.store(Y + r * stride_ym + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch_2d(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, config: Config) -> None:
-    """Launches on [M, H] views (unit column stride) with exactly `config`."""
+def _launch_2d(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, config: Config,
+               gate: int = 0) -> None:
+    """Launches on [M, H] views (unit column stride) with exactly `config`; `gate` 1: gelu
+    (tanh form) instead of silu, Gemma's GeGLU for ffn's unfused form (the same streaming of
+    a, b and y, so silu's tuned config serves it)."""
     m, h = a.shape
     if m == 0:
         return
     direct(_swiglu_kernel)[_glu.grid(m, h, config)](
         a, b, y, m, h, a.stride(0), b.stride(0), y.stride(0),
-        BLOCK=config["BLOCK"], ROWS=config["ROWS"], num_warps=config["num_warps"],
+        BLOCK=config["BLOCK"], ROWS=config["ROWS"], GATE=gate, num_warps=config["num_warps"],
         num_stages=1,
     )
 

@@ -77,6 +77,18 @@ def test_strided_halves_of_a_fused_projection() -> None:
     assert fusetune.swiglu(randn(0, 3, 16), randn(0, 3, 16)).shape == (0, 3, 16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_gate_of_ffns_unfused_form(dtype: torch.dtype) -> None:
+    # gate 1: Gemma's GeGLU, gelu in its tanh form, on the strided halves of one projection
+    gu = randn(37, 2 * 300, dtype=dtype, seed=6, scale=3.0)
+    a, b = gu[:, :300], gu[:, 300:]
+    y = torch.empty(37, 300, dtype=dtype, device=DEVICE)
+    swiglu_mod._launch_2d(a, b, y, {"BLOCK": 64, "ROWS": 4, "num_warps": 2}, gate=1)
+    want = F.gelu(a.double(), approximate="tanh") * b.double()
+    assert rel_err(y, want) <= TOL[dtype]
+    assert rel_err(y, reference(a, b)) > 0.05  # gelu, not silu
+
+
 def test_bad_inputs() -> None:
     a = randn(3, 8)
     with pytest.raises(ValueError, match=r"swiglu: a has shape \(3, 8\) and b \(3, 9\); they "
