@@ -29,7 +29,6 @@ PASSES, SPLIT_K, UNROLL_K, SPREAD, THREAD_SUM, TMA, num_warps, num_stages.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Mapping
 
 import torch
@@ -82,6 +81,7 @@ from fusetune.spec import (
     check_eps,
     check_no_grad,
     dtype_name,
+    next_pow2,
     torch_dtype,
 )
 
@@ -344,6 +344,98 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     launch_split(launch, cdiv(m, config["BLOCK_M"]) * n_blocks, split)
 
 
+@triton.jit
+def _unfused_finish_kernel(
+    WS,  # *[T, (HQ + 2·HK)·D] the stacked GEMM's output: each row's q, k, then v heads
+    Q, K, V,  # *[T, HQ·D], [T, HK·D], [T, HK·D] outputs, contiguous
+    COS, SIN,  # *[B or 1, S, >= D/2] tables, unit column stride: column i is pair i's
+    QN, KN,  # *[D] q's and k's per-head norm weights (QK_NORM only)
+    T, S,  # tokens = B * S; token t is (t // S, t % S)
+    HQ, HK,  # q heads, k (and v) heads
+    HALF,  # D // 2 pairs per head
+    stride_ws,  # WS's row stride
+    stride_cb, stride_cs,  # the tables' batch stride (0: one row of positions) and seq stride
+    qk_eps,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,  # next power of two >= HALF (tail pairs masked)
+    INTERLEAVED: tl.constexpr,
+    QK_NORM: tl.constexpr,
+):
+    # The unfused form's work after its GEMM, in one launch (what the rmsnorm, rope and copy
+    # kernels would do in five): program (pid_t, pid_h) owns BLOCK_T tokens and BLOCK_H of the
+    # HQ + 2·HK heads of the workspace's rows. A head h < HQ is q's (normalized by QN where
+    # QK_NORM, rotated, written to Q), HQ <= h < HQ + HK k's (KN, rotated, K), the rest v's
+    # (copied to V as they are). Lanes past T, the heads or HALF are masked off.
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, BLOCK_HALF)
+    b = t // S
+    s = t % S
+    D = 2 * HALF
+    is_q = h < HQ
+    is_k = (h >= HQ) & (h < HQ + HK)
+    turn = (is_q | is_k)[None, :, None]  # [1, BLOCK_H, 1]: heads that are normed and rotated
+
+    c_off = (b.to(tl.int64) * stride_cb + s.to(tl.int64) * stride_cs)[:, None] + i[None, :]
+    c_ok = (t < T)[:, None] & (i < HALF)[None, :]
+    cos = tl.load(COS + c_off, mask=c_ok, other=1.0).to(tl.float32)[:, None, :]
+    sin = tl.load(SIN + c_off, mask=c_ok, other=0.0).to(tl.float32)[:, None, :]
+
+    # Row starts: the head's D columns in WS; in its output, the head's index within its part
+    # (q, k or v) times D, in rows of that part's width.
+    t64 = t.to(tl.int64)[:, None, None]
+    src = WS + t64 * stride_ws + (h.to(tl.int64) * D)[None, :, None]
+    hq = h.to(tl.int64)[None, :, None]
+    dst = tl.where(is_q[None, :, None], Q + t64 * HQ * D + hq * D,
+                   tl.where(is_k[None, :, None], K + t64 * HK * D + (hq - HQ) * D,
+                            V + t64 * HK * D + (hq - HQ - HK) * D))
+    row_ok = (t < T)[:, None, None] & (h < HQ + 2 * HK)[None, :, None]
+
+    if INTERLEAVED:
+        # Pair i is elements (2i, 2i+1): whole rows [.., 2·BLOCK_HALF], split into the pairs.
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        m2 = row_ok & (d < D)[None, None, :]
+        x = tl.load(src + d[None, None, :], mask=m2, other=0.0).to(tl.float32)
+        if QK_NORM:
+            # the head's RMSNorm as the rmsnorm kernel computes it, stored in the outputs'
+            # dtype (its output) before the rotation reads it back
+            rstd = tl.rsqrt(tl.sum(x * x, axis=2) / D + qk_eps)[:, :, None]
+            wq = tl.load(QN + d, mask=d < D, other=0.0).to(tl.float32)[None, None, :]
+            wk = tl.load(KN + d, mask=d < D, other=0.0).to(tl.float32)[None, None, :]
+            wn = tl.where(is_q[None, :, None], wq, wk)
+            xn = (x * rstd * wn).to(Q.dtype.element_ty).to(tl.float32)
+            x = tl.where(turn, xn, x)
+        x0, x1 = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_H, BLOCK_HALF, 2]))
+        y = tl.join(x0 * cos - x1 * sin, x0 * sin + x1 * cos)
+        y = tl.reshape(y, [BLOCK_T, BLOCK_H, 2 * BLOCK_HALF])
+        y = tl.where(turn, y, x)  # v: as loaded (a product by cos 1 would turn inf to NaN)
+        tl.store(dst + d[None, None, :], y.to(Q.dtype.element_ty), mask=m2)
+    else:
+        # Pair i is elements (i, i + HALF): two half-rows.
+        mask = row_ok & (i < HALF)[None, None, :]
+        x0 = tl.load(src + i[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(src + HALF + i[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        if QK_NORM:
+            rstd = tl.rsqrt((tl.sum(x0 * x0, axis=2) + tl.sum(x1 * x1, axis=2)) / D
+                            + qk_eps)[:, :, None]
+            i_ok = i < HALF
+            w0 = tl.where(is_q[None, :, None],
+                          tl.load(QN + i, mask=i_ok, other=0.0).to(tl.float32)[None, None, :],
+                          tl.load(KN + i, mask=i_ok, other=0.0).to(tl.float32)[None, None, :])
+            w1 = tl.where(is_q[None, :, None],
+                          tl.load(QN + HALF + i, mask=i_ok,
+                                  other=0.0).to(tl.float32)[None, None, :],
+                          tl.load(KN + HALF + i, mask=i_ok,
+                                  other=0.0).to(tl.float32)[None, None, :])
+            x0 = tl.where(turn, (x0 * rstd * w0).to(Q.dtype.element_ty).to(tl.float32), x0)
+            x1 = tl.where(turn, (x1 * rstd * w1).to(Q.dtype.element_ty).to(tl.float32), x1)
+        y0 = tl.where(turn, x0 * cos - x1 * sin, x0)
+        y1 = tl.where(turn, x0 * sin + x1 * cos, x1)
+        tl.store(dst + i[None, None, :], y0.to(Q.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF + i[None, None, :], y1.to(Q.dtype.element_ty), mask=mask)
+
+
 def _unfused_2d(x: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, ...],
                 outs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor, seq: int,
                 head_dim: int, eps: float, interleaved: bool,
@@ -351,11 +443,13 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, .
                 biases: tuple[torch.Tensor, ...] | None, act: bool,
                 qk_norm: QkNorm | None = None) -> None:
     """UNFUSED = 1 (_unfused): RMSNorm (its tuned config), cuBLAS (biases by its beta; FP8
-    weights upcast with their scales), then RoPE on q and k (rope's tuned config). Where Wq,
-    Wk and Wv are one stacked matrix (fusetune.patch makes them views of one; their scales and
-    biases likewise, or none), one GEMM over all three into a workspace, which RoPE reads into
-    q and k and a copy into v; else a GEMM straight into each output, rotated in place. With
-    `qk_norm`, each q and k head is normalized by the rmsnorm kernel before RoPE reads it."""
+    weights upcast with their scales), then RoPE on q and k. Where Wq, Wk and Wv are one
+    stacked matrix (fusetune.patch makes them views of one; their scales and biases likewise,
+    or none), one GEMM over all three into a workspace, then one launch
+    (_unfused_finish_kernel, rope's tuned config for all the heads) that normalizes q's and
+    k's heads where `qk_norm` is given, rotates them into q and k and copies v; else a GEMM
+    straight into each output, its heads normalized by the rmsnorm kernel (`qk_norm`) and
+    rotated in place by rope's."""
     from fusetune.kernels._rotary import launch_rotation
     from fusetune.kernels.rope import SPEC as ROPE
     from fusetune.runtime import cached_config
@@ -369,22 +463,29 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, .
         w_all, s_all, b_all = one_gemm
         ws = torch.empty((m, w_all.shape[0]), dtype=x.dtype, device=x.device)
         _unfused.matmul(xn, w_all, s_all, ws, b_all)
-        cols = [0]
-        for w in weights:
-            cols.append(cols[-1] + w.shape[0])
-        parts = [ws[:, a:b] for a, b in itertools.pairwise(cols)]
-        outs[2].view(m, -1).copy_(parts[2])
-    else:
-        for i, (w, out) in enumerate(zip(weights, outs, strict=True)):
-            _unfused.matmul(xn, w, None if scales is None else scales[i], out.view(m, -1),
-                            None if biases is None else biases[i])
-        parts = [out.view(m, -1) for out in outs]
+        hq, hk = weights[0].shape[0] // head_dim, weights[1].shape[0] // head_dim
+        dims = (("head_dim", head_dim), ("heads", hq + 2 * hk),
+                ("interleaved", int(interleaved)))
+        cfg = cached_config(ROPE, dims, dtype_name(x.dtype), m, "", x.device, warn=False)
+        half = head_dim // 2
+        qn, kn, qk_eps = (ws, ws, 0.0) if qk_norm is None else qk_norm
+        grid = (cdiv(m, cfg["BLOCK_T"]), cdiv(hq + 2 * hk, cfg["BLOCK_H"]))
+        direct(_unfused_finish_kernel)[grid](
+            ws, outs[0], outs[1], outs[2], cos, sin, qn, kn, m, seq, hq, hk, half, ws.stride(0),
+            cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), float(qk_eps),
+            BLOCK_T=cfg["BLOCK_T"], BLOCK_H=cfg["BLOCK_H"], BLOCK_HALF=next_pow2(half),
+            INTERLEAVED=interleaved, QK_NORM=qk_norm is not None,
+            num_warps=cfg["num_warps"], num_stages=1)
+        return
+    for i, (w, out) in enumerate(zip(weights, outs, strict=True)):
+        _unfused.matmul(xn, w, None if scales is None else scales[i], out.view(m, -1),
+                        None if biases is None else biases[i])
+    parts = [out.view(m, -1) for out in outs]
     for j, (w, part, out) in enumerate(zip(weights[:2], parts[:2], outs[:2], strict=False)):
         heads = w.shape[0] // head_dim
         if qk_norm is not None:  # the heads as rows of head_dim, normalized into a new tensor
             part = norm_rows(part.contiguous().view(-1, head_dim), qk_norm[j], qk_norm[2])
-        src = part.view(m // seq, seq, heads, head_dim)  # the workspace's columns: row
-        # stride the stacked width
+        src = part.view(m // seq, seq, heads, head_dim)
         dst = out.view(m // seq, seq, heads, head_dim)
         dims = (("head_dim", head_dim), ("heads", heads), ("interleaved", int(interleaved)))
         cfg = cached_config(ROPE, dims, dtype_name(x.dtype), m, "", x.device, warn=False)
@@ -734,7 +835,8 @@ SPEC = KernelSpec(
     padding=_padding,
     dims_from_model=_dims_from_model,
     source_objects=(_qkv_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
-                    _rmsnorm_kernel, *fp8.FP8_SOURCES, _unfused_2d, *_unfused.SOURCES),
+                    _rmsnorm_kernel, *fp8.FP8_SOURCES, _unfused_2d, _unfused_finish_kernel,
+                    *_unfused.SOURCES),
     # A config's N tiles are laid over the heads' rotation pairs (and its TMA pair loads need
     # head_dim/2 to be a multiple of BLOCK_N): tuned for one head width, it is no guess for
     # another.

@@ -5,6 +5,7 @@ tables, per token, the way a rotary embedding hands them over."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from pathlib import Path
 
@@ -128,6 +129,54 @@ def _tables(fresh_tables: None) -> None:
 def test_matches_reference(b: int, s: int, d: int, nh: int, nkv: int, hd: int,
                            dtype: torch.dtype, interleaved: bool) -> None:
     check(make(b, s, d, nh, nkv, hd, dtype), hd, interleaved=interleaved)
+
+
+def stacked_views(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """(x, g, wq, wk, wv) with the three weights made views of one stacked matrix, as
+    fusetune.patch holds them."""
+    x, g, *ws = tensors
+    w_all = torch.cat(ws)
+    cols = [0, ws[0].shape[0], ws[0].shape[0] + ws[1].shape[0], w_all.shape[0]]
+    return (x, g, *(w_all[a:b] for a, b in itertools.pairwise(cols)))
+
+
+def unfused_config(tensors: tuple[torch.Tensor, ...], head_dim: int, interleaved: bool
+                   ) -> dict[str, int]:
+    x, _, wq, wk, _ = tensors
+    point = Point.make("qkv", {"dim": x.shape[-1], "head_dim": head_dim,
+                               "interleaved": int(interleaved), "n_heads": wq.shape[0] // head_dim,
+                               "n_kv_heads": wk.shape[0] // head_dim}, 1,
+                       x.shape[0] * x.shape[1], "float32")
+    return SPEC.canonical({**SPEC.default_config(point, gpus.INTERPRETER), "UNFUSED": 1}, point)
+
+
+@pytest.mark.parametrize("table", ["hf", "half", "shared"])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_unfused_form_of_a_stacked_matrix(interleaved: bool, table: str) -> None:
+    # One GEMM over the stacked weights, then one launch that rotates q's and k's heads out of
+    # its workspace and copies v's: with biases, each row of the batch at its own positions.
+    tensors = stacked_views(make(2, 5, 64, 4, 2, 8, torch.float32))
+    config = unfused_config(tensors, 8, interleaved)
+    check(tensors, 8, interleaved=interleaved, table=table,
+          bias=make_bias(tensors), config=config)
+
+
+def test_unfused_form_copies_v_as_the_gemm_wrote_it() -> None:
+    # v's heads are copied, not rotated by an angle of 0: an infinite value stays infinite
+    tensors = make(1, 3, 64, 4, 2, 8, torch.float32)
+    x, g, wq, wk, wv = tensors
+    x, wv = x.abs() + 0.1, wv.clone()
+    wv[5] = 0.0
+    wv[5, 0] = float("inf")
+    tensors = stacked_views((x, g.abs(), wq, wk, wv))
+    ang = angles(positions(1, 3), 8)
+    cos, sin = tables(ang, torch.float32)
+    q, k, v = fusetune.qkv(*tensors, cos, sin, eps=1e-6, head_dim=8, interleaved=True,
+                           config=unfused_config(tensors, 8, True))
+    others = torch.ones(v.shape, dtype=torch.bool)
+    others[..., 0, 5] = False  # its pair's partner, element 4, stays finite too
+    assert torch.isinf(v[..., 0, 5]).all() and torch.isfinite(v[others]).all()
+    assert torch.isfinite(q).all() and torch.isfinite(k).all()
 
 
 def test_small_heads_need_their_layout() -> None:
