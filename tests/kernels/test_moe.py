@@ -19,6 +19,9 @@ CONFIGS = {
     "prefill tile": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4,
                      "num_stages": 3},
     "per pair": {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1},
+    # launch 2's tiles 16 columns wide (72 = 4.5 of them), launch 1's 32 (40 = 1.25)
+    "per pair, half down": {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2,
+                            "num_stages": 1, "HALF_DOWN": 1},
     "unfused": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2,
                 "UNFUSED": 1},
 }
@@ -39,7 +42,7 @@ def test_configs_pass_the_tuners_check(tokens: int, experts: int, top_k: int,
     assert out.rel_err is not None and out.rel_err <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["decode tile", "per pair", "unfused"])
+@pytest.mark.parametrize("name", ["decode tile", "per pair", "per pair, half down", "unfused"])
 def test_awkward_routing(name: str) -> None:
     # an expert no token chose, one token routed to every expert of its top-k, repeated
     # experts across tokens, bfloat16
@@ -125,6 +128,14 @@ def test_per_pair_structure_is_for_decode() -> None:
     assert SPEC.resources(per_pair, point(32)).unfit == ""
     assert "BLOCK_M=1" in SPEC.resources(per_pair, point(33)).unfit
     assert SPEC.canonical(per_pair | {"num_stages": 4}, point(1))["num_stages"] == 1
+    # HALF_DOWN means something in the per-pair structure only; there its narrower down
+    # tiles take fewer registers
+    grouped = CONFIGS["decode tile"] | {"HALF_DOWN": 1, "UNFUSED": 0}
+    assert SPEC.canonical(grouped, point(64))["HALF_DOWN"] == 0
+    half = SPEC.validate_config(per_pair | {"HALF_DOWN": 1})
+    assert SPEC.canonical(half, point(1))["HALF_DOWN"] == 1
+    assert (SPEC.resources(half, point(1)).regs_per_thread
+            < SPEC.resources(SPEC.validate_config(per_pair), point(1)).regs_per_thread)
     h200 = gpus.resolve("h200")
     assert SPEC.default_config(point(16), h200)["BLOCK_M"] == 1
     assert SPEC.default_config(point(17), h200)["BLOCK_M"] == 16
@@ -174,7 +185,7 @@ def test_fp8_weights_pass_the_tuners_check(weights: str) -> None:
         assert out.status == "ok", (config, out.reason)
 
 
-@pytest.mark.parametrize("name", ["decode tile", "per pair", "unfused"])
+@pytest.mark.parametrize("name", ["decode tile", "per pair", "per pair, half down", "unfused"])
 def test_fp8_weights_through_the_call(name: str) -> None:
     torch.manual_seed(1)
     x = torch.randn(5, 64).bfloat16()
