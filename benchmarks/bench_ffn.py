@@ -23,11 +23,14 @@ IMPLS = ("tuned", "default", "eager", "compile", "liger", "gemm_alone")
 
 
 def eager_ffn(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-              eps: float = 1e-6) -> torch.Tensor:
-    """Llama's RMSNorm then the MLP gate, as applications run it."""
+              eps: float = 1e-6, activation: str = "silu") -> torch.Tensor:
+    """Llama's RMSNorm then the MLP gate, as applications run it; `activation` "gelu_tanh"
+    for Gemma's GeGLU gate."""
     h = x.float()
     xn = g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
-    return F.silu(F.linear(xn, w1)) * F.linear(xn, w3)
+    a = F.linear(xn, w1)
+    gate = F.gelu(a, approximate="tanh") if activation == "gelu_tanh" else F.silu(a)
+    return gate * F.linear(xn, w3)
 
 
 def liger_ffn() -> Any:

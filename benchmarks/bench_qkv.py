@@ -41,14 +41,25 @@ def rotate(t: torch.Tensor, freqs_cis: torch.Tensor | None, cos: torch.Tensor,
     return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
 
 
+def head_norm(t: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's q_norm / k_norm: an RMSNorm over each head (float32 math, x's dtype out)."""
+    h = t.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(t)
+
+
 def eager_qkv(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
               wv: torch.Tensor, freqs_cis: torch.Tensor | None, cos: torch.Tensor,
-              sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Llama's attention input: RMSNorm, three projections, RoPE on q and k."""
+              sin: torch.Tensor, head_dim: int, q_norm: torch.Tensor | None = None,
+              k_norm: torch.Tensor | None = None, qk_eps: float = EPS
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Llama's attention input: RMSNorm, three projections, RoPE on q and k (Qwen3's: each
+    head of q and k normalized before RoPE, where q_norm and k_norm are given)."""
     h = x.float()
     xn = g * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).type_as(x)
     b, s, _ = x.shape
     q, k, v = (F.linear(xn, w).view(b, s, -1, head_dim) for w in (wq, wk, wv))
+    if q_norm is not None and k_norm is not None:
+        q, k = head_norm(q, q_norm, qk_eps), head_norm(k, k_norm, qk_eps)
     return rotate(q, freqs_cis, cos, sin), rotate(k, freqs_cis, cos, sin), v
 
 

@@ -25,11 +25,14 @@ from fusetune.spec import Point
 FLOOR_TBS = 3.0  # measured device-to-device copy ceiling of the H100 (bytes read + written)
 
 
-def eager_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Hugging Face Llama's RMSNorm, the way applications run it today."""
+def eager_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Hugging Face Llama's RMSNorm, the way applications run it today; with `residual`, that
+    added to the normalized rows (Gemma's norms before their residual adds)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
+    y = w * h.to(x.dtype)
+    return y if residual is None else residual + y
 
 
 def liger_rmsnorm() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:

@@ -47,6 +47,7 @@ from typing import Any
 from benchmarks.script_args import doc_summary
 
 ROUNDS = 3
+WITHIN = 1.02  # served / min(fused, unfused, torch.compile) counted as no slower
 
 
 def _stop(signum: int, frame: Any) -> None:
@@ -208,10 +209,12 @@ def compile_all(todo: list[Entry], device: str, jobs: int) -> None:
           file=sys.stderr)
 
 
-def _eager(kernel: str) -> Callable[[dict[str, Any]], Any] | None:
-    """The model's own torch code for a kernel's inputs (make_inputs' names): the kernels'
-    benchmarks' eager functions, FP8 weights upcast with their scales first, as torch.compile
-    gets them; None where there is none."""
+def _eager(kernel: str) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+    """The model's own torch code for a kernel's inputs (make_inputs' names), its outputs named
+    as the kernel's reference names them: the kernels' benchmarks' eager functions, FP8
+    weights upcast with their scales first, as torch.compile gets them; None where there is
+    none. Every option of a kernel's point (a residual, GeGLU's gate, q/k norms) is computed as
+    the model computes it: the column is checked against the reference like any config."""
     import torch
 
     from benchmarks.bench_ffn import eager_ffn
@@ -239,17 +242,34 @@ def _eager(kernel: str) -> Callable[[dict[str, Any]], Any] | None:
         freqs_cis, cos, sin = tables(i)
         return hf_rope(i["x"], cos, sin) if freqs_cis is None else llama_rope(i["x"], freqs_cis)
 
+    def qkv(i: dict[str, Any]) -> dict[str, Any]:
+        q, k, v = eager_qkv(i["x"], i["rms_weight"], w(i, "wq"), w(i, "wk"), w(i, "wv"),
+                            *tables(i), i["head_dim"], i.get("q_norm"), i.get("k_norm"),
+                            i.get("qk_eps", 1e-6))
+        return {"q": q, "k": k, "v": v}
+
     return {
-        "ffn": lambda i: eager_ffn(i["x"], i["rms_weight"], w(i, "w1"), w(i, "w3"), i["eps"]),
-        "linear": lambda i: eager_linear(i["x"], i["weight"], i.get("residual"),
-                                         i.get("weight_scale"), i.get("bias")),
-        "lola": lambda i: eager_lola(i["x"], w(i, "weight"), i["bias"], i["eps"]),
-        "qkv": lambda i: eager_qkv(i["x"], i["rms_weight"], w(i, "wq"), w(i, "wk"), w(i, "wv"),
-                                   *tables(i), i["head_dim"]),
-        "rmsnorm": lambda i: eager_rmsnorm(i["x"], i["weight"], i["eps"]),
-        "rope": rope,
-        "swiglu": lambda i: eager_swiglu(i["a"], i["b"]),
+        "ffn": lambda i: {"h": eager_ffn(i["x"], i["rms_weight"], w(i, "w1"), w(i, "w3"),
+                                         i["eps"], i.get("activation", "silu"))},
+        "linear": lambda i: {"y": eager_linear(i["x"], i["weight"], i.get("residual"),
+                                               i.get("weight_scale"), i.get("bias"))},
+        "lola": lambda i: {"y": eager_lola(i["x"], w(i, "weight"), i["bias"], i["eps"])},
+        "qkv": qkv,
+        "rmsnorm": lambda i: {"y": eager_rmsnorm(i["x"], i["weight"], i["eps"],
+                                                 i.get("residual"))},
+        "rope": lambda i: {"y": rope(i)},
+        "swiglu": lambda i: {"y": eager_swiglu(i["a"], i["b"])},
     }.get(kernel)
+
+
+def eager_error(kernel: str, inputs: dict[str, Any], outputs: dict[str, Any]) -> float:
+    """The largest relative error of the torch code's outputs against the kernel's reference
+    (float32 math) on the same inputs."""
+    from fusetune.kernels import get_spec
+
+    ref = get_spec(kernel).reference(inputs)
+    return max(float((outputs[n].float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))
+               for n, r in ref.items())
 
 
 def best(e: Entry) -> dict[str, float]:
@@ -329,11 +349,16 @@ def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) 
 
         compiled = _compiled_afresh(eager)
         inputs = dict(ev.inputs)
-        compiled(inputs)  # compiles, outside the timing
-        for _ in range(rounds):
-            e.compile_us.append(do_bench(lambda: compiled(inputs), rep=rep_ms,
-                                         return_mode="median") * 1e3)
-    if not e.failed:
+        # compiles, outside the timing; a column computing something else is no comparison
+        err = eager_error(e.kernel, inputs, compiled(inputs))
+        tol = spec.tolerance_for(point)
+        if not err <= tol:  # reported as a failure; the configs are timed all the same
+            e.failed["compile"] = f"wrong_result: relative error {err:.2e} > {tol:.1e}"
+        else:
+            for _ in range(rounds):
+                e.compile_us.append(do_bench(lambda: compiled(inputs), rep=rep_ms,
+                                             return_mode="median") * 1e3)
+    if not set(configs) & set(e.failed):
         e.times = {name: [] for name in configs}
         for _ in range(rounds):
             for name, c in configs.items():
@@ -342,7 +367,7 @@ def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) 
                     e.failed[name] = f"{q.status}: {q.reason}"
                     break
                 e.times[name].append(q)
-            if e.failed:
+            if set(configs) & set(e.failed):
                 break
     e.measured = True
 
@@ -447,6 +472,8 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     groups: dict[tuple[str, str], Counter[str]] = {}
     worst = 0.0  # the largest served / min(fused, unfused, torch.compile)
+    ratios = 0  # entries with that ratio
+    within = 0  # those within WITHIN of it
     for e in todo:
         v = verdict(e)
         groups.setdefault((e.kernel, e.weights or e.dtype), Counter())[v] += 1
@@ -465,6 +492,7 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
         unf, comp = b.get("unfused"), b.get("compile")
         ratio = served_us(e) / min(b.values())
         worst = max(worst, ratio)
+        ratios, within = ratios + 1, within + (ratio <= WITHIN)
         lines.append(f"| {e.label} | {'yes' if e.marginal else ''} | {t:.2f} | {d:.2f} | "
                      f"{t / d:.3f} | {'–' if unf is None else f'{unf:.2f}'} | "
                      f"{'–' if comp is None else f'{comp:.2f}'} | {ratio:.3f} | {shown} |")
@@ -482,7 +510,8 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
     served_slower = sum(verdict(e) == "slower" and not e.marginal for e in todo)
     lines += ["", f"{served_slower} entries the lookup serves are slower than the default; "
               f"{total['failed']} failed. Served against the best of the fused configs timed, "
-              f"the unfused form and torch.compile (served / best): at most {worst:.3f}."]
+              f"the unfused form and torch.compile (served / best): at most {worst:.3f}; "
+              f"{within} of {ratios} within {WITHIN}."]
     text = "\n".join(lines)
     print(text)
     if markdown:

@@ -15,6 +15,7 @@ import fusetune
 from benchmarks import bench_tables
 from fusetune import gpus, runtime
 from fusetune.kernels import REGISTRY, get_spec
+from fusetune.spec import Point
 
 RMSNORM = {"BLOCK_D": 64, "ROWS": 2, "num_warps": 4, "num_stages": 1}
 LINEAR = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "GROUP_M": 1, "PASSES": 2, "SPLIT_K": 1,
@@ -145,7 +146,6 @@ def test_a_compile_process_without_room_for_the_inputs_leaves_them_to_the_timing
         interp: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # beside the other compile processes a point's inputs may not fit the device: its configs
     # come back as not compiled (the timing process compiles and checks them), no crash
-    from fusetune.spec import Point
     from fusetune.tuner import compile_ahead
 
     def no_room(*_: Any) -> Any:
@@ -202,3 +202,41 @@ def test_sigterm_reports_what_was_measured(tmp_path: Path) -> None:
     assert verdicts.count("not measured") < len(rows)  # the first, at least, measured
     assert "not measured" in verdicts, verdicts  # stopped before the end
     assert "entries not measured" in log.read_text()
+
+
+EAGER_POINTS = [  # every option of each kernel's point the model code computes
+    ("ffn", {"dim": 64, "hidden": 96}, ""), ("ffn", {"dim": 64, "hidden": 96, "act": 1}, ""),
+    ("ffn", {"dim": 64, "hidden": 96}, "fp8-e4m3"),
+    ("qkv", {"dim": 64, "head_dim": 16, "interleaved": 0, "n_heads": 4, "n_kv_heads": 2}, ""),
+    ("qkv", {"dim": 64, "head_dim": 16, "interleaved": 1, "n_heads": 4, "n_kv_heads": 2}, ""),
+    ("qkv", {"dim": 64, "head_dim": 16, "interleaved": 0, "n_heads": 4, "n_kv_heads": 2,
+             "qk_norm": 1}, "fp8-e4m3"),
+    ("linear", {"bias": 1, "dim": 64, "out": 32, "residual": 1}, ""),
+    ("linear", {"bias": 0, "dim": 64, "out": 32, "residual": 0}, "fp8-e4m3"),
+    ("lola", {"dim": 64, "out": 32}, ""),
+    ("rmsnorm", {"dim": 64}, ""), ("rmsnorm", {"dim": 64, "residual": 1}, ""),
+    ("rope", {"head_dim": 16, "heads": 2, "interleaved": 0}, ""),
+    ("rope", {"head_dim": 16, "heads": 2, "interleaved": 1}, ""),
+    ("swiglu", {"hidden": 48}, ""),
+]
+
+
+@pytest.mark.parametrize(("kernel", "dims", "weights"), EAGER_POINTS)
+def test_compile_column_computes_what_the_kernel_does(kernel: str, dims: dict[str, int],
+                                                      weights: str) -> None:
+    # The torch.compile column times the model's own code: with a point's residual, GeGLU gate
+    # or q/k norms left out it would time less work than the kernel does.
+    point = Point.make(kernel, dims, 2, 3, "float32", weights)
+    spec = get_spec(kernel)
+    assert set(dims) <= set(spec.dim_names) | set(spec.optional_dims)
+    inputs = spec.make_inputs(point, "cpu")
+    eager = bench_tables._eager(kernel)
+    assert eager is not None
+    assert bench_tables.eager_error(kernel, inputs, eager(inputs)) < 1e-5
+
+
+def test_compile_column_checked_against_the_reference() -> None:
+    point = Point.make("rmsnorm", {"dim": 64, "residual": 1}, 2, 3, "float32")
+    inputs = get_spec("rmsnorm").make_inputs(point, "cpu")
+    wrong = {"y": bench_tables._eager("rmsnorm")({**inputs, "residual": None})["y"]}
+    assert bench_tables.eager_error("rmsnorm", inputs, wrong) > 0.1
