@@ -735,7 +735,7 @@ def coverage(model: str | None, points_file: str | None, kernel: str, gpu_name: 
     (a table entry of those rows), rows (another row count of the same dims), nearby (carried
     over from the nearest tuned dims, checked against the GPU's limits) or default (the
     heuristic), with the speedup over the default that the entry recorded. An exact or rows
-    entry marked marginal (its winner did not beat the default beyond the timings' spread) is
+    entry marked marginal (its winner was not 1% faster than the default) is
     shown so: the point is tuned, and the default config runs there. A config that runs the
     kernel's unfused form (UNFUSED=1) is marked (unfused). With --points FILE instead of
     --model: the points the file names, of any kernel, your own included.
@@ -1135,8 +1135,8 @@ def export(path: str, gpu_name: str | None, kernel: str | None, db: str, update:
     default_us, default_p20_us and default_p80_us are the same of the default heuristic's
     config. A config whose stored timing has no percentiles (or that has none) gets its
     re-timed median, the one the winner was chosen by, and no percentiles. `marginal`: the
-    winner beat the default by no more than the wider of the two p20-p80 spreads (GPU timings
-    only), so the lookup runs the default there.
+    winner's median is less than 1% below the default's (GPU timings only), so the lookup runs
+    the default there.
     """
     from fusetune.export import build_tables, update_tables
     from fusetune.tables import TableError

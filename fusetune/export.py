@@ -47,6 +47,18 @@ def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
     return _document(gpus, versions)
 
 
+# A winner at most this far below the default (a fraction of the default's median) is
+# marginal. Not the p20-p80 spread of one timing: that measures the launches' jitter (several
+# percent at tens of µs) and one disturbed timing widens it, hiding a real win; medians of one
+# config timed apart agree far closer.
+MARGINAL = 0.01
+
+
+def is_marginal(won_us: float, default_us: float) -> bool:
+    """Whether a winner timed `won_us` is no win over the default's `default_us`."""
+    return default_us - won_us <= MARGINAL * default_us
+
+
 def _timings(store: Store, point_id: int, winner: Any, judge: bool) -> dict[str, Any]:
     """An entry's timings, in µs. `time_us`, `p20_us`, `p80_us`: the median and the 20th and
     80th percentiles of the winner config's stored timing, one set of timings (so that p20_us
@@ -54,9 +66,9 @@ def _timings(store: Store, point_id: int, winner: Any, judge: bool) -> dict[str,
     default config. Where the database holds no such timing of a config (none, or one without
     its percentiles), its median is the re-timed one of the winner row (the timing the winner
     was chosen by), without percentiles. With `judge` (timings of a GPU, not the interpreter's
-    wall clock), `marginal` where the winner beat the default by no more than the wider of the
-    two p20-p80 spreads, all as written (the lookup then runs the default: a win within the
-    noise is no reason to leave it)."""
+    wall clock), `marginal` where the winner's median is not MARGINAL below the default's, as
+    written (the lookup then runs the default: a win within the medians' noise is no reason to
+    leave it)."""
     from fusetune.tuner.space import config_key
 
     results = store.results(point_id)
@@ -76,8 +88,8 @@ def _timings(store: Store, point_id: int, winner: Any, judge: bool) -> dict[str,
                            "default_us": None if default is None else round(default, 3)}
     for prefix, (p20, p80) in spreads.items():
         out[f"{prefix}p20_us"], out[f"{prefix}p80_us"] = round(p20, 3), round(p80, 3)
-    if judge and won is not None and default is not None and spreads:
-        out["marginal"] = default - won <= max(p80 - p20 for p20, p80 in spreads.values())
+    if judge and won is not None and default is not None:
+        out["marginal"] = is_marginal(round(won, 3), round(default, 3))
     return out
 
 

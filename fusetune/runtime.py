@@ -15,8 +15,8 @@ row count above it (within the tuned range) whose config can serve the asked row
 matmul kernels' one-row structure serves one row; their entries serve fewer than
 KernelSpec.row_reach times fewer rows), else the config of the nearest entry of other dims
 that the point's limits hold ("nearby"), else the kernel's default heuristic with a one-time
-warning ("default"). An entry marked marginal (its winner did not beat the default beyond the
-timings' spread) answers with the default heuristic's config: the point is covered ("exact" or
+warning ("default"). An entry marked marginal (its winner was not 1% faster than the default)
+answers with the default heuristic's config: the point is covered ("exact" or
 "rows", marginal), the tuner having found nothing better than the default there.
 
 This is the runtime path: it never imports optuna or sqlalchemy.
@@ -91,8 +91,8 @@ class RawEntry:
 @dataclass(frozen=True)
 class EntryInfo:
     """What an entry says of its measurement: the winner's and the default heuristic's median
-    µs as exported, and whether the winner beat the default by more than their timings'
-    spread (`marginal`: it did not, and the lookup runs the default instead)."""
+    µs as exported, and whether the winner beat the default by more than 1% of its median
+    (`marginal`: it did not, and the lookup runs the default instead)."""
 
     time_us: float | None = None
     default_us: float | None = None
@@ -575,7 +575,7 @@ class Resolution:
     nearest tuned dims of its GPU, kernel, dtype, weights and activation mode, checked against
     the point's limits) or "default" (the heuristic: nothing tuned answers). `rows` and `dims`
     name the entry used; `speedup` is what it recorded over the default (default µs / tuned µs).
-    `marginal`: that entry's winner did not beat the default beyond the timings' spread, so the
+    `marginal`: that entry's winner was not 1% faster than the default, so the
     config is the default heuristic's while the source says the point was tuned ("exact" or
     "rows")."""
 

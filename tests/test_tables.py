@@ -718,6 +718,24 @@ def test_shipped_entries_were_tuned_on_the_kernels_source() -> None:
                                    "on another source of the kernel: search them again")
 
 
+def test_shipped_marginal_flags_follow_the_export_rule() -> None:
+    # An entry's `marginal` decides whether its winner or the default runs: each flag is what
+    # `export` writes from the entry's own two medians (entries without one were exported
+    # before winners were judged, and are served as they are).
+    from importlib import resources
+
+    from fusetune.export import is_marginal
+
+    for f in resources.files("fusetune.shipped_tables").iterdir():
+        if not f.name.endswith(".yaml"):
+            continue
+        for gpu, kernels in yaml.safe_load(f.read_text())["gpus"].items():
+            for kernel, entries in kernels.items():
+                off = [i for i, e in enumerate(entries) if "marginal" in e
+                       and e["marginal"] != is_marginal(e["time_us"], e["default_us"])]
+                assert not off, f"{f.name}: gpus.{gpu}.{kernel}: entries {off} flagged otherwise"
+
+
 def test_env_tables_checked_at_the_kernels_first_lookup(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # FUSETUNE_TABLES is read by the first launch, which knows its own kernel only: another
