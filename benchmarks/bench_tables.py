@@ -6,14 +6,16 @@ an entry of one lookup key once), narrowed by --kernel, --model (the points fuse
 launches in those models), --weights and --rows. For each entry, on its own point: the entry's
 config and the default heuristic's are checked against the kernel's reference, then timed as
 the search times them (do_bench with the L2 flushed; CUDA-graph replays where the kernels are
-short), in interleaved rounds. Verdicts use the export's rule for `marginal`: `slower` where the
-entry's median exceeds the default's by more than the larger of their p20-p80 spreads,
-`faster` where it is below by more, else `even`. Marginal entries (the lookup runs the default
+short), in interleaved rounds; a config under two names (the entry is the default, or the
+unfused form) is timed once for both. Verdicts: `slower` where the entry's median exceeds the
+default's by more than the larger of their p20-p80 spreads, `faster` where it is below by more,
+else `even`. Marginal entries (the lookup runs the default
 there) are timed as well, their winner against the default. Beside them: the kernel's unfused
 form (UNFUSED = 1: the norm, cuBLAS and the epilogue as separate launches; ffn, qkv and
 linear) and torch.compile of the model's torch code (ffn, qkv, linear, lola, rmsnorm, rope,
-swiglu), and what the lookup serves against the best of the three ways (fused configs,
-unfused, torch.compile). The exit status is 1 where an entry the lookup serves (not marginal)
+swiglu; with the point's options, checked against the reference as the configs are), and
+what the lookup serves against the best of the three ways (fused configs, unfused,
+torch.compile). The exit status is 1 where an entry the lookup serves (not marginal)
 is slower than the default, or a config fails. Configs compile first in parallel processes
 (--jobs) into Triton's on-disk cache, which the timing process then loads. The timing runs in
 a spawned process, with --devices one per GPU (the entries shared out over several GPUs of one
@@ -331,6 +333,7 @@ def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) 
     """One entry on its own point; the point's inputs are freed when it returns."""
     from fusetune.kernels import get_spec
     from fusetune.tuner.bench import Evaluator
+    from fusetune.tuner.space import config_key
 
     spec = get_spec(e.kernel)
     point = e.point()
@@ -359,14 +362,22 @@ def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) 
                 e.compile_us.append(do_bench(lambda: compiled(inputs), rep=rep_ms,
                                              return_mode="median") * 1e3)
     if not set(configs) & set(e.failed):
-        e.times = {name: [] for name in configs}
+        # A config under two names (the entry is the default, or the unfused form) is timed
+        # once, its timings under both: two timings of one config differ by the run's noise,
+        # and the better of the two is no measure of either.
+        keys = {name: config_key(spec.canonical(c, point)) for name, c in configs.items()}
+        timed: dict[str, list[tuple[float, float, float]]] = {}
+        e.times = {name: timed.setdefault(k, []) for name, k in keys.items()}
+        once: dict[str, str] = {}  # each config by its first name
+        for name, k in keys.items():
+            once.setdefault(k, name)
         for _ in range(rounds):
-            for name, c in configs.items():
-                q = ev.timing(c, rep_ms)
+            for k, name in once.items():
+                q = ev.timing(configs[name], rep_ms)
                 if not isinstance(q, tuple):
                     e.failed[name] = f"{q.status}: {q.reason}"
                     break
-                e.times[name].append(q)
+                timed[k].append(q)
             if set(configs) & set(e.failed):
                 break
     e.measured = True

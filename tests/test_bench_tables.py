@@ -240,3 +240,26 @@ def test_compile_column_checked_against_the_reference() -> None:
     inputs = get_spec("rmsnorm").make_inputs(point, "cpu")
     wrong = {"y": bench_tables._eager("rmsnorm")({**inputs, "residual": None})["y"]}
     assert bench_tables.eager_error("rmsnorm", inputs, wrong) > 0.1
+
+
+def test_a_config_under_two_names_is_timed_once(interp: None, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # An entry whose config is the unfused form: the "unfused" column is the entry's own
+    # timings (the better of two timings of one config would be no measure of it).
+    from fusetune.tuner.bench import Evaluator
+
+    (e,) = [e for e in todo(write_table(tmp_path / "t.yaml"), weights="") if e.kernel == "linear"]
+    spec, point = get_spec("linear"), e.point()
+    e.config = dict(spec.canonical({**e.default, "UNFUSED": 1}, point))
+    timed: list[dict[str, int]] = []
+    real = Evaluator.timing
+
+    def counted(self: Evaluator, config: dict[str, int], rep_ms: int = 100) -> Any:
+        timed.append(config)
+        return real(self, config, rep_ms)
+
+    monkeypatch.setattr(Evaluator, "timing", counted)
+    bench_tables._measure_one(e, "interpreter", "cpu", 2, 1)
+    assert not e.failed and len(timed) == 4  # two configs, two rounds
+    assert e.times["unfused"] is e.times["entry"] and len(e.times["entry"]) == 2
+    assert len(e.times["default"]) == 2 and e.times["default"] is not e.times["entry"]
