@@ -23,7 +23,7 @@ model; an entry and its default always on the same GPU): a process that dies (an
 memory access, a crash of the compiler or the driver) fails the entry it was on, with that
 reason, and a new process goes on with the rest. Ctrl-C or SIGTERM (`timeout`'s signal, a job
 scheduler's stop) stops the timing: the entries measured so far are reported, the rest counted
-as not measured.
+as not measured; `--resume` with that run's --json measures only the rest and reports all.
 
 `--device cpu` runs the flow on Triton's interpreter (the interpreter's tables, small dims;
 timings meaningless).
@@ -529,12 +529,49 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
         Path(markdown).write_text(text + "\n")
     if json_path:
         Path(json_path).write_text(json.dumps(
-            [{"kernel": e.kernel, "dims": dict(e.dims), "dtype": e.dtype, "rows": e.rows,
+            [{"gpu": gpu.name, "kernel": e.kernel, "dims": dict(e.dims), "dtype": e.dtype,
+              "rows": e.rows,
               "weights": e.weights, "activations": e.activations, "marginal": e.marginal,
               "config": e.config, "default_config": e.default, "times": e.times,
               "unfused_config": e.unfused, "compile_us": e.compile_us,
               "failed": e.failed, "verdict": verdict(e)} for e in todo], indent=1))
     return 1 if served_slower or total["failed"] else 0
+
+
+def resume(todo: list[Entry], path: str, gpu: str) -> int:
+    """Takes each entry's results from an earlier run's --json where that run measured the
+    same entry (lookup key, config and default) on this GPU model; returns how many (0 where
+    the file does not exist yet). A run stopped by Ctrl-C, SIGTERM or a time limit goes on
+    from there, and its report is that of one run."""
+    if not Path(path).exists():  # the first of runs that go on from each other
+        return 0
+    try:
+        records = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--resume {path}: not a bench_tables --json file ({exc})") from exc
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"--resume {path}: not a bench_tables --json file (a list of entries)")
+    other = sorted({str(r.get("gpu", "an unnamed GPU")) for r in records} - {gpu})
+    if other:
+        raise ValueError(f"--resume {path}: measured on {', '.join(other)}, not {gpu}")
+    done: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in records:
+        if r.get("verdict") == "not measured":
+            continue
+        key = (r["kernel"], tuple(sorted(r["dims"].items())), r["dtype"], r["rows"],
+               r["weights"], r["activations"], json.dumps(r["config"], sort_keys=True),
+               json.dumps(r["default_config"], sort_keys=True))
+        done[key] = r
+    n = 0
+    for e in todo:
+        r = done.get((e.kernel, e.dims, e.dtype, e.rows, e.weights, e.activations,
+                      json.dumps(e.config, sort_keys=True), json.dumps(e.default, sort_keys=True)))
+        if r is None:
+            continue
+        e.times = {k: [tuple(q) for q in qs] for k, qs in r["times"].items()}
+        e.failed, e.compile_us, e.unfused = r["failed"], r["compile_us"], r["unfused_config"]
+        e.measured, n = True, n + 1
+    return n
 
 
 def main() -> int:
@@ -560,6 +597,10 @@ def main() -> int:
                                       "current device)")
     ap.add_argument("--markdown", help="write the table here too")
     ap.add_argument("--json", help="write every entry's timings here")
+    ap.add_argument("--resume", metavar="JSON",
+                    help="an earlier run's --json (may be --json's own file; none yet: "
+                         "all measured): its measured entries are kept, the rest measured, "
+                         "one report of all (a stopped run goes on)")
     args = ap.parse_args()
     stop_on_term()
 
@@ -607,14 +648,23 @@ def main() -> int:
     for e in todo:
         spec, p = get_spec(e.kernel), e.point()
         e.default = dict(spec.canonical(spec.default_config(p, gpu), p))
-    print(f"{len(todo)} entries of {gpu.name}", file=sys.stderr)
+    kept = 0
+    if args.resume:
+        try:
+            kept = resume(todo, args.resume, gpu.name)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    left = [e for e in todo if not e.measured]
+    print(f"{len(todo)} entries of {gpu.name}"
+          + (f" ({kept} measured by {args.resume})" if args.resume else ""), file=sys.stderr)
     try:
-        compile_all(todo, devices[0], args.jobs)
+        compile_all(left, devices[0], args.jobs)
     except KeyboardInterrupt:
         ignore_stops()
         print("interrupted while compiling: nothing measured", file=sys.stderr)
         return 130
-    complete = measure_devices(todo, backend, devices, args.rounds, args.rep_ms)
+    complete = not left or measure_devices(left, backend, devices, args.rounds, args.rep_ms)
     status = report(todo, gpu, devices, args.markdown, args.json)
     if not complete:
         print(f"interrupted: {sum(not e.measured for e in todo)} of {len(todo)} entries not "

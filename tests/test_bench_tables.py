@@ -263,3 +263,47 @@ def test_a_config_under_two_names_is_timed_once(interp: None, tmp_path: Path,
     assert not e.failed and len(timed) == 4  # two configs, two rounds
     assert e.times["unfused"] is e.times["entry"] and len(e.times["entry"]) == 2
     assert len(e.times["default"]) == 2 and e.times["default"] is not e.times["entry"]
+
+
+def test_resume_measures_only_what_the_earlier_run_did_not(
+        interp: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    table = write_table(tmp_path / "t.yaml")
+    out = tmp_path / "out.json"
+    argv = ["bench_tables", "--device", "cpu", "--tables", str(table), "--rounds", "1",
+            "--json", str(out), "--resume", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert bench_tables.main() in (0, 1)  # no file yet: every entry measured
+    first = json.loads(out.read_text())
+    assert len(first) == 3 and all(r["gpu"] == "interpreter" for r in first)
+    # as a run stopped after its first entry leaves it
+    first[1]["verdict"], first[2]["verdict"] = "not measured", "not measured"
+    out.write_text(json.dumps(first))
+    measured: list[str] = []
+    real = bench_tables.measure_devices
+
+    def counted(todo: list[bench_tables.Entry], *args: Any) -> bool:
+        measured.extend(e.label for e in todo)
+        return real(todo, *args)
+
+    monkeypatch.setattr(bench_tables, "measure_devices", counted)
+    capsys.readouterr()
+    assert bench_tables.main() in (0, 1)
+    labels = [e.label for e in todo(table)]
+    assert measured == labels[1:]  # the first entry kept, not measured again
+    assert "| all | | 3 |" in capsys.readouterr().out
+    again = json.loads(out.read_text())
+    assert again[0]["times"] == first[0]["times"]
+    assert all(r["verdict"] != "not measured" for r in again)
+
+
+def test_resume_refuses_another_gpus_run(interp: None, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    table = write_table(tmp_path / "t.yaml")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([{"gpu": "h100-sxm", "verdict": "faster"}]))
+    monkeypatch.setattr(sys, "argv", ["bench_tables", "--device", "cpu", "--tables", str(table),
+                                      "--resume", str(other)])
+    assert bench_tables.main() == 2
+    assert "measured on h100-sxm, not interpreter" in capsys.readouterr().err
