@@ -6,12 +6,12 @@ an entry of one lookup key once), narrowed by --kernel, --model (the points fuse
 launches in those models), --weights and --rows. For each entry, on its own point: the entry's
 config and the default heuristic's are checked against the kernel's reference, then timed as
 the search times them (do_bench with the L2 flushed; CUDA-graph replays where the kernels are
-short), in interleaved rounds; a config under two names (the entry is the default, or the
-unfused form) is timed once for both. Verdicts: `slower` where the entry's median exceeds the
-default's by more than the larger of their p20-p80 spreads, `faster` where it is below by more,
-else `even`. Marginal entries (the lookup runs the default
-there) are timed as well, their winner against the default. Beside them: the kernel's unfused
-form (UNFUSED = 1: the norm, cuBLAS and the epilogue as separate launches; ffn, qkv and
+short), in interleaved rounds, each starting one config further on; a config under two names
+(the entry is the default, or the unfused form) is timed once for both. Verdicts: `slower`
+where the entry's median exceeds the default's by more than the larger of their p20-p80
+spreads, `faster` where it is below by more, else `even`. Marginal entries (the lookup runs the
+default there) are timed as well, their winner against the default. Beside them: the kernel's
+unfused form (UNFUSED = 1: the norm, cuBLAS and the epilogue as separate launches; ffn, qkv and
 linear) and torch.compile of the model's torch code (ffn, qkv, linear, lola, rmsnorm, rope,
 swiglu; with the point's options, checked against the reference as the configs are), and
 what the lookup serves against the best of the three ways (fused configs, unfused,
@@ -211,6 +211,12 @@ def compile_all(todo: list[Entry], device: str, jobs: int) -> None:
           file=sys.stderr)
 
 
+def _compile_column(kernel: str, backend: str) -> Callable[[dict[str, Any]], Any] | None:
+    """The torch code the timing process compiles beside an entry (None: no column; on the
+    interpreter none: inductor's CPU code against interpreted kernels is no comparison)."""
+    return _eager(kernel) if backend == "cuda" else None
+
+
 def _eager(kernel: str) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
     """The model's own torch code for a kernel's inputs (make_inputs' names), its outputs named
     as the kernel's reference names them: the kernels' benchmarks' eager functions, FP8
@@ -346,21 +352,17 @@ def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) 
         out = ev.check(c)
         if not out.ok:
             e.failed[name] = f"{out.status}: {out.reason}"
-    eager = _eager(e.kernel) if backend == "cuda" else None
+    eager = _compile_column(e.kernel, backend)
+    compiled: Callable[[], Any] | None = None
     if eager is not None and not e.failed:
-        from triton.testing import do_bench
-
-        compiled = _compiled_afresh(eager)
-        inputs = dict(ev.inputs)
+        compiled_fn, inputs = _compiled_afresh(eager), dict(ev.inputs)
         # compiles, outside the timing; a column computing something else is no comparison
-        err = eager_error(e.kernel, inputs, compiled(inputs))
+        err = eager_error(e.kernel, inputs, compiled_fn(inputs))
         tol = spec.tolerance_for(point)
-        if not err <= tol:  # reported as a failure; the configs are timed all the same
+        if err <= tol:
+            compiled = lambda: compiled_fn(inputs)
+        else:  # reported as a failure; the configs are timed all the same
             e.failed["compile"] = f"wrong_result: relative error {err:.2e} > {tol:.1e}"
-        else:
-            for _ in range(rounds):
-                e.compile_us.append(do_bench(lambda: compiled(inputs), rep=rep_ms,
-                                             return_mode="median") * 1e3)
     if not set(configs) & set(e.failed):
         # A config under two names (the entry is the default, or the unfused form) is timed
         # once, its timings under both: two timings of one config differ by the run's noise,
@@ -371,8 +373,18 @@ def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) 
         once: dict[str, str] = {}  # each config by its first name
         for name, k in keys.items():
             once.setdefault(k, name)
-        for _ in range(rounds):
-            for k, name in once.items():
+        order = list(once.items()) + ([("", "compile")] if compiled is not None else [])
+        for r in range(rounds):
+            # each round starts one further on: a timing can depend on what ran just before it
+            # (clocks under the previous load), and so each config (and torch.compile's code)
+            # takes each place
+            for k, name in order[r % len(order):] + order[:r % len(order)]:
+                if compiled is not None and name == "compile":
+                    from triton.testing import do_bench
+
+                    e.compile_us.append(do_bench(compiled, rep=rep_ms,
+                                                 return_mode="median") * 1e3)
+                    continue
                 q = ev.timing(configs[name], rep_ms)
                 if not isinstance(q, tuple):
                     e.failed[name] = f"{q.status}: {q.reason}"

@@ -263,6 +263,8 @@ def test_a_config_under_two_names_is_timed_once(interp: None, tmp_path: Path,
     assert not e.failed and len(timed) == 4  # two configs, two rounds
     assert e.times["unfused"] is e.times["entry"] and len(e.times["entry"]) == 2
     assert len(e.times["default"]) == 2 and e.times["default"] is not e.times["entry"]
+    # the second round starts with the config timed second in the first
+    assert timed == [e.config, e.default, e.default, e.config]
 
 
 def test_resume_measures_only_what_the_earlier_run_did_not(
@@ -307,3 +309,36 @@ def test_resume_refuses_another_gpus_run(interp: None, tmp_path: Path,
                                       "--resume", str(other)])
     assert bench_tables.main() == 2
     assert "measured on h100-sxm, not interpreter" in capsys.readouterr().err
+
+
+def test_torch_compile_takes_its_turn_in_the_rounds(interp: None, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compile column is timed in the rounds beside the configs, its place rotating too.
+    import triton.testing
+
+    from fusetune.tuner.bench import Evaluator
+
+    (e,) = [e for e in todo(write_table(tmp_path / "t.yaml"), weights="") if e.kernel == "linear"]
+    order: list[str] = []
+    real = Evaluator.timing
+
+    def timing(self: Evaluator, config: dict[str, int], rep_ms: int = 100) -> Any:
+        order.append("unfused" if config.get("UNFUSED") else
+                     "default" if config == e.default else "entry")
+        return real(self, config, rep_ms)
+
+    def do_bench(fn: Any, **kw: Any) -> float:
+        order.append("compile")
+        fn()
+        return 0.01
+
+    monkeypatch.setattr(Evaluator, "timing", timing)
+    monkeypatch.setattr(bench_tables, "_compile_column",
+                        lambda kernel, backend: bench_tables._eager(kernel))
+    monkeypatch.setattr(bench_tables, "_compiled_afresh", lambda eager: eager)
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    bench_tables._measure_one(e, "interpreter", "cpu", 3, 1)
+    assert not e.failed and e.compile_us == [10.0] * 3
+    # linear has its unfused form too: entry, default, unfused and the compiled code rotate
+    assert order[:4] == ["entry", "default", "unfused", "compile"]
+    assert order[4:8] == order[1:4] + order[:1] and order[8:] == order[2:4] + order[:2]
