@@ -137,3 +137,26 @@ def test_a_later_search_re_times_the_stored_winner_beside_its_finalists(url: str
     for i, c in enumerate(CONFIGS[3:]):
         later.ctx.store.record(later.point_id, config_key(c), c, "ok", time_us=1.0 + i)
     assert shown(later.finish()) == stored(url) == (config_key(CONFIGS[0]), 5.0, 10.0)
+
+
+class RecordingTimer(BiasedTimer):
+    def __init__(self, favourite: Config) -> None:
+        super().__init__(favourite)
+        self.order: list[str] = []
+
+    def timing(self, config: Config) -> tuple[float, float, float]:
+        self.order.append(config_key(config))
+        return super().timing(config)
+
+
+def test_each_re_timing_round_starts_one_finalist_further_on(url: str) -> None:
+    # A timing can depend on what ran just before it: over the rounds each finalist takes
+    # each place once, instead of the same one every round.
+    timer = RecordingTimer(CONFIGS[0])
+    t = tuner(url, timer)
+    t.options = SearchOptions(finalists=3, rounds=3)
+    t.finish()
+    first = timer.order[:4]  # the three fastest results and the default
+    assert len(timer.order) == 12 and len(set(first)) == 4
+    assert timer.order[4:8] == first[1:] + first[:1]
+    assert timer.order[8:] == first[2:] + first[:2]

@@ -481,8 +481,10 @@ class PointTuner:
         if seen is not None and all(config_key(c) != config_key(seen.config) for c in finalists):
             finalists.append(dict(seen.config))
         times: dict[str, list[float]] = {config_key(c): [] for c in finalists}
-        for _ in range(self.options.rounds):
-            for c in finalists:
+        for r in range(self.options.rounds):
+            # each round starts one finalist further on: a timing can depend on what ran just
+            # before it (clocks under the previous load), so each takes each place in turn
+            for c in finalists[r % len(finalists):] + finalists[:r % len(finalists)]:
                 q = self.evaluator.timing(c)
                 if isinstance(q, Outcome):  # it failed this time: left out, with the reason
                     res.retime_failed[config_key(c)] = f"{q.status}: {q.reason}"
