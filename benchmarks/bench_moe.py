@@ -3,7 +3,9 @@ with the tables' config and the default heuristic's, transformers' own experts m
 (MixtralExperts, once per experts implementation of the installed release: its eager loop,
 batched_mm, grouped_mm), and a torch._grouped_mm baseline over the same grouped tokens (two
 grouped GEMMs around SiLU·mul, the routing weights and the top-k sum in torch), beside the floor
-of the weights the routed experts must read.
+of the weights the routed experts must read (their bytes at this run's copy rate) and a Triton
+kernel that only reads those bytes in one launch (read_only: the best of bench_decode's
+shapes), what a kernel that must read them can reach at all.
 
     python -m benchmarks.bench_moe --model mixtral-8x7b --rows 1,8,4096
 """
@@ -15,15 +17,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import fusetune
+from benchmarks.bench_decode import READ_SHAPES
 from benchmarks.timing import heading, median_us, parser, report, run, start
 from fusetune.kernels import fp8
 from fusetune.kernels.moe import SPEC, _reference
 from fusetune.models import preset
 from fusetune.spec import Point, torch_dtype
 
-IMPLS = ("tuned", "default", "hf-eager", "hf-batched_mm", "hf-grouped_mm", "grouped_mm")
+IMPLS = ("tuned", "default", "hf-eager", "hf-batched_mm", "hf-grouped_mm", "grouped_mm",
+         "read_only")
 
 
 HF_IMPLS = ("eager", "batched_mm", "grouped_mm")  # transformers' experts implementations that
@@ -86,6 +92,55 @@ def grouped_mm(inputs: dict[str, Any]) -> Any:
     return run_
 
 
+@triton.jit
+def _read_experts_kernel(GU, DN, USED, OUT, n_gu, n_dn, BLOCK: tl.constexpr,
+                         EVICT: tl.constexpr):
+    # Program (j, b): elements [b·BLOCK, (b+1)·BLOCK) of expert USED[j]'s weights taken as one
+    # range, its gate_up slab (n_gu elements) and then its down slab (n_dn); each load's mask
+    # keeps it inside its slab, so every byte is read once. Writes the block's float32 sum:
+    # almost nothing, as the experts' GEMVs write almost nothing at a few tokens.
+    e = tl.load(USED + tl.program_id(0)).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_gu = offs < n_gu
+    a = tl.load(GU + e * n_gu + offs, mask=in_gu, other=0.0, eviction_policy=EVICT)
+    b = tl.load(DN + e * n_dn + (offs - n_gu), mask=~in_gu & (offs < n_gu + n_dn), other=0.0,
+                eviction_policy=EVICT)
+    total = tl.sum(a.to(tl.float32), axis=0) + tl.sum(b.to(tl.float32), axis=0)
+    tl.store(OUT + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), total)
+
+
+def read_experts(gate_up: torch.Tensor, down: torch.Tensor, used: torch.Tensor, block: int,
+                 warps: int, evict: bool) -> torch.Tensor:
+    """The read-only kernel over the experts `used` (int32 ids) of gate_up [E, 2H, D] and down
+    [E, D, H]: per program, the float32 sum of its block (their total: the weights' sum)."""
+    n_gu, n_dn = gate_up[0].numel(), down[0].numel()
+    grid = (used.numel(), triton.cdiv(n_gu + n_dn, block))
+    out = torch.empty(grid[0] * grid[1], device=gate_up.device, dtype=torch.float32)
+    _read_experts_kernel[grid](gate_up, down, used, out, n_gu, n_dn, BLOCK=block,
+                               EVICT="evict_first" if evict else "", num_warps=warps)
+    return out
+
+
+def read_only(inputs: dict[str, Any]) -> Any:
+    """The read-only kernel over the routed experts' weights in its fastest shape here (its
+    sum checked against torch's first)."""
+    gu, dn = inputs["gate_up"], inputs["down"]
+    used = inputs["topk_ids"].unique().to(torch.int32)
+    ref = (gu[used.long()].double().sum() + dn[used.long()].double().sum()).item()
+    best: tuple[float, Any] | None = None
+    for block, warps, evict in READ_SHAPES:
+        def fn(block: int = block, warps: int = warps, evict: bool = evict) -> torch.Tensor:
+            return read_experts(gu, dn, used, block, warps, evict)
+
+        total = fn().double().sum().item()
+        assert abs(total - ref) <= 1e-3 * max(1.0, abs(ref)), (total, ref)
+        t = median_us(fn)
+        if best is None or t < best[0]:
+            best = (t, fn)
+    assert best is not None
+    return best[1]
+
+
 def make_case(rows: int, dims: dict[str, int], dtype: str, weights: str,
               gpu: Any) -> dict[str, Any]:
     point = Point.make("moe", dims, 1, rows, dtype, weights)
@@ -111,7 +166,7 @@ def make_case(rows: int, dims: dict[str, int], dtype: str, weights: str,
     elt = fp8.operand_bytes(point)[1]
     weight_bytes = used * 3 * dims["hidden"] * dims["dim"] * elt
     fns = {"tuned": fused, "default": lambda: fused(default_cfg), **hf_experts(base),
-           "grouped_mm": grouped_mm(base)}
+           "grouped_mm": grouped_mm(base), "read_only": read_only(inputs)}
     return {"label": f"T={rows} ({used} experts used)", "dtype": dtype + (
                 f", {weights}" if weights else ""), "fns": fns,
             "tuned_cfg": tuned_cfg, "default_cfg": default_cfg, "rel_err": err,
@@ -147,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"bytes at this run's copy rate, {bw:.2f} TB/s", graphs=not args.no_graph)
     cols = ["dtype", "tokens", "weights floor µs", *impls, "tuned / grouped_mm",
             "tuned / fastest transformers",
-            "weights TB/s (tuned)", "floor / tuned", "tuned config " + "/".join(SPEC.config_keys)]
+            "weights TB/s (tuned)", "floor / tuned", "read_only / tuned",
+            "tuned config " + "/".join(SPEC.config_keys)]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     raw = []
     for case, t in zip(cases, medians, strict=True):
@@ -160,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{tuned / min(hf):.2f}" if tuned and hf else "-",
                  f"{case['weight_bytes'] / tuned / 1e6:.2f}" if tuned else "-",
                  f"{floor / tuned:.0%}" if tuned else "-",
+                 f"{t['read_only'] / tuned:.0%}" if tuned and t.get("read_only") else "-",
                  "/".join(str(case["tuned_cfg"][k]) for k in SPEC.config_keys)]
         lines.append("| " + " | ".join(cells) + " |")
         raw.append({"dtype": case["dtype"], "tokens": case["label"], "us": t,

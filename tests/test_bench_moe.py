@@ -1,0 +1,23 @@
+"""benchmarks/bench_moe.py's read-only kernel on Triton's interpreter: it reads exactly the
+routed experts' weights (each byte once), whatever its block and the slabs' sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.bench_moe import read_experts
+
+
+@pytest.mark.parametrize(("block", "dtype"), [(64, torch.float32), (128, torch.float16),
+                                              (32, torch.float8_e4m3fn)])
+def test_read_only_kernel_reads_the_routed_experts_bytes(block: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    e, h, d = 5, 6, 20  # slabs of 240 and 120 elements: blocks straddle the two
+    gate_up = torch.randn(e, 2 * h, d).to(dtype)
+    down = torch.randn(e, d, h).to(dtype)
+    used = torch.tensor([4, 1], dtype=torch.int32)
+    sums = read_experts(gate_up, down, used, block, 4, True)
+    per_expert = sums.view(2, -1).sum(1).double()
+    want = torch.stack([gate_up[i].double().sum() + down[i].double().sum() for i in (4, 1)])
+    assert torch.allclose(per_expert, want, rtol=1e-5, atol=1e-4)
