@@ -550,6 +550,10 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
     return 1 if served_slower or total["failed"] else 0
 
 
+RESUMED = ("kernel", "dims", "dtype", "rows", "weights", "activations", "config",
+           "default_config", "times", "failed", "compile_us", "unfused_config")
+
+
 def resume(todo: list[Entry], path: str, gpu: str) -> int:
     """Takes each entry's results from an earlier run's --json where that run measured the
     same entry (lookup key, config and default) on this GPU model; returns how many (0 where
@@ -567,9 +571,13 @@ def resume(todo: list[Entry], path: str, gpu: str) -> int:
     if other:
         raise ValueError(f"--resume {path}: measured on {', '.join(other)}, not {gpu}")
     done: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for r in records:
+    for i, r in enumerate(records):
         if r.get("verdict") == "not measured":
             continue
+        missing = [f for f in RESUMED if f not in r]
+        if missing:
+            raise ValueError(f"--resume {path}: entry {i} is not a bench_tables entry (no "
+                             f"{', '.join(missing)})")
         key = (r["kernel"], tuple(sorted(r["dims"].items())), r["dtype"], r["rows"],
                r["weights"], r["activations"], json.dumps(r["config"], sort_keys=True),
                json.dumps(r["default_config"], sort_keys=True))

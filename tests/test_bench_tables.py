@@ -309,6 +309,9 @@ def test_resume_refuses_another_gpus_run(interp: None, tmp_path: Path,
                                       "--resume", str(other)])
     assert bench_tables.main() == 2
     assert "measured on h100-sxm, not interpreter" in capsys.readouterr().err
+    other.write_text(json.dumps([{"gpu": "interpreter", "kernel": "rmsnorm"}]))
+    assert bench_tables.main() == 2
+    assert "entry 0 is not a bench_tables entry (no dims, dtype," in capsys.readouterr().err
 
 
 def test_torch_compile_takes_its_turn_in_the_rounds(interp: None, tmp_path: Path,
