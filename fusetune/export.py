@@ -42,7 +42,7 @@ def build_tables(store: Store, gpu: str | None = None, kernel: str | None = None
         entry.update(batch=p.batch, seq=p.seq, config=dict(w.config))
         entry.update(_timings(store, p.id, w, judge=p.backend == "cuda"))
         entry.update(triton=p.triton_version, torch=p.torch_version, backend=p.backend,
-                     source=p.kernel_hash)
+                     source=_entry_source(p.kernel, p.kernel_hash, w.config))
         gpus.setdefault(p.gpu, {}).setdefault(p.kernel, []).append(entry)
     return _document(gpus, versions)
 
@@ -57,6 +57,20 @@ MARGINAL = 0.01
 def is_marginal(won_us: float, default_us: float) -> bool:
     """Whether a winner timed `won_us` is no win over the default's `default_us`."""
     return default_us - won_us <= MARGINAL * default_us
+
+
+def _entry_source(kernel: str, kernel_hash: str, config: dict[str, int]) -> str:
+    """The source hash an entry records: where the point was tuned on the source this process
+    runs, the hash of what its config runs (KernelSpec.config_source_hash: a fused config's
+    entry then outlives a change to the unfused form alone); else the point's own (another
+    version's, or a kernel this process does not know: the whole source's)."""
+    from fusetune.kernels import get_spec
+
+    try:
+        spec = get_spec(kernel)
+    except (ValueError, ImportError, AttributeError):  # its module not importable here
+        return kernel_hash
+    return spec.config_source_hash(config) if kernel_hash == spec.source_hash else kernel_hash
 
 
 def _timings(store: Store, point_id: int, winner: Any, judge: bool) -> dict[str, Any]:

@@ -631,7 +631,7 @@ def _nearby(spec: KernelSpec, group: GroupKey, point: Point, gpu: GpuSpec
                 if one_row and r != 1:
                     continue
                 info = tables.info.get((key, r), EntryInfo())
-                if not _usable(spec, info):
+                if not _usable(spec, info, config):
                     continue
                 d = _distance(dims, point.rows, key[2], r)
                 if d <= NEARBY_DISTANCE and not info.marginal:
@@ -675,19 +675,23 @@ def other_triton_policy(spec: KernelSpec) -> str:
     return policy
 
 
-def _usable(spec: KernelSpec, info: EntryInfo) -> bool:
-    """Whether an entry may be served: one tuned for another version of the kernel's source
-    never is (its configs were measured, and checked, on other code); one tuned with another
-    Triton version as other_triton_policy says. Each refusal and each other version served
-    warns once, naming the kernel and what to run."""
+def _usable(spec: KernelSpec, info: EntryInfo, config: Mapping[str, int]) -> bool:
+    """Whether an entry of `config` may be served: one tuned for another version of the
+    source its config runs never is (its configs were measured, and checked, on other code):
+    the entry's source hash is the kernel's whole source's or, for a config of the kernel's
+    own code, that of the sources such a config runs (KernelSpec.config_source_hash). One
+    tuned with another Triton version as other_triton_policy says. Each refusal and each
+    other version served warns once, naming the kernel and what to run."""
     kernel = spec.name
-    if info.source is not None and info.source != spec.source_hash:
+    if info.source is not None and info.source not in (spec.source_hash,
+                                                       spec.config_source_hash(config)):
         warn_key = ("source", kernel, info.source)
         if warn_key not in _warned:
             _warned.add(warn_key)
             warnings.warn(
                 f"fusetune: tables hold entries of {kernel} tuned for another version of its "
-                f"source ({info.source}; this one is {spec.source_hash}): they are not served. "
+                f"source ({info.source}; this one is {spec.config_source_hash(config)}): they "
+                "are not served. "
                 f"Tune it again, e.g. `fusetune search --kernel {spec.search_ref} --points "
                 "TABLE` over the table that held them, and export.",
                 FusetuneWarning, stacklevel=_caller_stacklevel())
@@ -732,7 +736,7 @@ def _resolution(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: str,
         entries = tables.groups.get(group)
         if entries:
             entries = [(r, c) for r, c in entries
-                       if _usable(spec, tables.info.get((group, r), EntryInfo()))]
+                       if _usable(spec, tables.info.get((group, r), EntryInfo()), c)]
         if entries:
             found = _covering(rows, entries, serves, spec.row_reach)
             if found is not None:

@@ -165,6 +165,18 @@ class Cost:
         return max(times) if times else None
 
 
+def _source_hash(objects: tuple[Any, ...]) -> str:
+    h = hashlib.sha256()
+    for obj in objects:
+        fn = getattr(obj, "fn", obj)  # a triton JITFunction keeps the Python function in .fn
+        src = inspect.getsource(fn)
+        # From its `def` on: the decorators (@fusetune.autotune's arguments: its space, its
+        # tables) choose among configs, they do not change what a config computes.
+        start = _DEF.search(src)
+        h.update((src[start.start():] if start else src).encode())
+    return h.hexdigest()[:12]
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """Everything the rest of fusetune knows about one kernel.
@@ -203,6 +215,9 @@ class KernelSpec:
     - `algorithm_keys`: flags of config_keys that choose another way to compute the result
       rather than tune one (the matmul kernels' UNFUSED): every search tries each of them,
       from the default config, right after the default.
+    - `algorithm_sources`: those of source_objects that only configs of another algorithm
+      (an algorithm key set) run: a config of the kernel's own code is served with the hash of
+      the other sources (config_source_hash), so a change to these alone leaves its entries.
     - `unfused_form`: what an UNFUSED = 1 config runs, in words (for `show` and the search's
       tables).
     - `optional_dims`: dims beside dim_names with a default (qkv's qk_norm: 0), which points,
@@ -252,6 +267,7 @@ class KernelSpec:
         default_factory=lambda: {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
     )
     source_objects: tuple[Any, ...] = ()
+    algorithm_sources: tuple[Any, ...] = ()
     flags: Mapping[str, int] = field(default_factory=dict)
     weight_formats: tuple[str, ...] = ()
     activation_modes: tuple[str, ...] = ()
@@ -341,15 +357,23 @@ class KernelSpec:
     def source_hash(self) -> str:
         """Hash of the kernel's source: results from another version of the kernel never mix.
         Read once, as the process imported it (the code it runs)."""
-        h = hashlib.sha256()
-        for obj in self.source_objects:
-            fn = getattr(obj, "fn", obj)  # a triton JITFunction keeps the Python function in .fn
-            src = inspect.getsource(fn)
-            # From its `def` on: the decorators (@fusetune.autotune's arguments: its space, its
-            # tables) choose among configs, they do not change what a config computes.
-            start = _DEF.search(src)
-            h.update((src[start.start():] if start else src).encode())
-        return h.hexdigest()[:12]
+        return _source_hash(self.source_objects)
+
+    @functools.cached_property
+    def _own_source_hash(self) -> str:
+        """Hash of the sources a config of the kernel's own code runs: all but
+        `algorithm_sources`."""
+        others = {id(o) for o in self.algorithm_sources}
+        return _source_hash(tuple(o for o in self.source_objects if id(o) not in others))
+
+    def config_source_hash(self, config: Mapping[str, Any]) -> str:
+        """The source hash a table entry of `config` records and is served with: the whole
+        source's for a config of another algorithm (an algorithm key set), the source without
+        `algorithm_sources` for a config of the kernel's own code, which never runs them (so
+        that a change to the unfused form alone leaves the fused entries served)."""
+        if not self.algorithm_sources or any(config.get(k) for k in self.algorithm_keys):
+            return self.source_hash
+        return self._own_source_hash
 
     def validate_config(self, config: Mapping[str, Any], where: str = "config") -> Config:
         """Checks a user- or table-supplied config; returns it as a plain dict of ints."""

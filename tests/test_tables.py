@@ -700,9 +700,10 @@ def test_shipped_tables_hold_each_lookup_key_once() -> None:
 
 
 def test_shipped_entries_were_tuned_on_the_kernels_source() -> None:
-    # An entry that records its kernel's source hash is served only with that source: a change
-    # to a kernel (or a function in its SOURCES) without searching its shipped points again
-    # would leave them unserved. Entries without one (older files) are served as they are.
+    # An entry that records a source hash is served only with that source (the kernel's, or
+    # that of what its config runs): a change to a kernel (or a function in its SOURCES)
+    # without searching its shipped points again would leave them unserved. Entries without
+    # one (older files) are served as they are.
     from importlib import resources
 
     from fusetune.kernels import get_spec
@@ -712,8 +713,9 @@ def test_shipped_entries_were_tuned_on_the_kernels_source() -> None:
             continue
         for gpu, kernels in yaml.safe_load(f.read_text())["gpus"].items():
             for kernel, entries in kernels.items():
-                stale = [i for i, e in enumerate(entries)
-                         if e.get("source") not in (None, get_spec(kernel).source_hash)]
+                spec = get_spec(kernel)
+                stale = [i for i, e in enumerate(entries) if e.get("source") not in (
+                    None, spec.source_hash, spec.config_source_hash(e["config"]))]
                 assert not stale, (f"{f.name}: gpus.{gpu}.{kernel}: {len(stale)} entries tuned "
                                    "on another source of the kernel: search them again")
 

@@ -422,6 +422,7 @@ SPEC = KernelSpec(
     dims_from_model=_dims_from_model,
     source_objects=(_ffn_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
                     _rmsnorm_kernel, *fp8.FP8_SOURCES, _unfused_2d, *_unfused.SOURCES),
+    algorithm_sources=(_unfused_2d, *_unfused.SOURCES),
     algorithm_keys=("UNFUSED",),
     **MATMUL_SPEC_FIELDS,
 )

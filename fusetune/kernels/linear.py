@@ -470,6 +470,7 @@ SPEC = KernelSpec(
                     gemv_one_product, tma_one_product, fp8_as_f16, mma_weight, gemv_weight,
                     scale_product, linear_config, _launch_2d, launch_args, launch_split, use_tma,
                     tma_descriptors, fp8.weight_operand, _unfused_2d, *_unfused.SOURCES),
+    algorithm_sources=(_unfused_2d, *_unfused.SOURCES),
     algorithm_keys=("UNFUSED",),
     **MATMUL_SPEC_FIELDS,
 )

@@ -676,6 +676,8 @@ SPEC = KernelSpec(
                     _place_kernel, group_pairs, _launch_2d, _launch_per_pair, _launch_unfused,
                     _experts_upcast, dot, gemv_two_products, k_slice, gemv_weight, fp8_as_f16,
                     fp8.weight_operand, _unfused._upcast, _unfused._upcast_kernel),
+    algorithm_sources=(_launch_unfused, _experts_upcast, _unfused._upcast,
+                       _unfused._upcast_kernel),
     flags={"UNFUSED": 0, "HALF_DOWN": 0},
     algorithm_keys=("UNFUSED",),
     unfused_form="torch._grouped_mm, SiLU·mul, torch._grouped_mm, weighted sum",

@@ -837,6 +837,7 @@ SPEC = KernelSpec(
     source_objects=(_qkv_kernel, *TWO_PRODUCT_SOURCES, _launch_2d, *MATMUL_HOST_SOURCES,
                     _rmsnorm_kernel, *fp8.FP8_SOURCES, _unfused_2d, _unfused_finish_kernel,
                     *_unfused.SOURCES),
+    algorithm_sources=(_unfused_2d, _unfused_finish_kernel, *_unfused.SOURCES),
     # A config's N tiles are laid over the heads' rotation pairs (and its TMA pair loads need
     # head_dim/2 to be a multiple of BLOCK_N): tuned for one head width, it is no guess for
     # another.
