@@ -282,9 +282,14 @@ def _target(backend: str, gpu_name: str | None, dry_run: bool,
                    "after a Triton upgrade) or a list `points: [{kernel, dims, rows (or batch "
                    "and seq), dtype, weights, activations}, ...]`. --kernel all takes every "
                    "kernel in it, a kernel name only that kernel's points.")
+@click.option("--stale", is_flag=True,
+              help="With --points TABLE: only the entries the lookup no longer serves because "
+                   "they were tuned on another version of the code their config runs (after "
+                   "an edit to a kernel; an edit to the unfused form alone stales only its "
+                   "entries).")
 def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
            dry_run: bool, devices: str | None, rows_opt: list[int] | None,
-           points_file: str | None) -> None:
+           points_file: str | None, stale: bool) -> None:
     """Tune KERNEL at every (batch, seq, dtype) point: one Optuna study per point.
 
     Every evaluated config is stored with its status (ok, infeasible, oor, compile_error,
@@ -293,6 +298,8 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
     trials are kept and not redone. With --devices, several GPUs of this host (one model) share
     the points, a worker process each.
     """
+    if stale and points_file is None:
+        raise click.UsageError("--stale picks among the entries of --points TABLE: give it")
     if points_file is not None:
         _check_points_option(args, rows_opt)
     elif rows_opt is not None:
@@ -300,7 +307,11 @@ def search(args: PointArgs, trials: int, time_budget: float | None, seed: int,
     target = _target(args.backend, args.gpu_name, dry_run, devices)
     small = target.backend == "interpreter" and not dry_run
     if points_file is not None:
-        groups = _file_groups(points_file, args, target)
+        groups = _file_groups(points_file, args, target, stale)
+        if not groups:
+            err.print(f"{points_file}: no entry for {target.gpu.name} was tuned on other code "
+                      "than this fusetune's: nothing to search")
+            return
     elif args.kernel in MODEL_KERNELS:
         groups = _model_groups(args, small, rows_opt)
     else:
@@ -340,9 +351,11 @@ def _check_points_option(args: PointArgs, rows_opt: list[int] | None) -> None:
                                f"weights): leave out {', '.join(given)}")
 
 
-def _file_groups(path: str, args: PointArgs, target: Target) -> list[_Group]:
+def _file_groups(path: str, args: PointArgs, target: Target, stale: bool = False
+                 ) -> list[_Group]:
     """`search --points`: (spec, space, points) for each kernel, dims and weights of the
-    file's points (a table's entries for the target's GPU)."""
+    file's points (a table's entries for the target's GPU; with `stale`, those tuned on other
+    code only, possibly none)."""
     from fusetune.models import TRAINING_KERNELS
     from fusetune.tuner.point_file import load_points
     from fusetune.tuner.space import SpaceError, load_space
@@ -351,16 +364,18 @@ def _file_groups(path: str, args: PointArgs, target: Target) -> list[_Group]:
     try:
         groups = [(spec, load_space(spec, args.space_path), points)
                   for spec, points in load_points(path, target.gpu.name,
-                                                  "all" if training else args.kernel)
+                                                  "all" if training else args.kernel, stale)
                   if not training or spec.name in TRAINING_KERNELS]
     except (SearchError, SpaceError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    if not groups and stale:
+        return []
     if not groups:
         raise click.ClickException(f"--points {path}: no points of the training kernels "
                                    f"({', '.join(TRAINING_KERNELS)}) for {target.gpu.name} in it")
     n = sum(len(points) for _, _, points in groups)
-    err.print(f"[bold]{path}[/]: {n} points of {len(groups)} kernels and dims for "
-              f"{target.gpu.name}")
+    err.print(f"[bold]{path}[/]: {n} {'stale ' if stale else ''}points of {len(groups)} "
+              f"kernels and dims for {target.gpu.name}")
     return groups
 
 

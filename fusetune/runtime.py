@@ -692,8 +692,8 @@ def _usable(spec: KernelSpec, info: EntryInfo, config: Mapping[str, int]) -> boo
                 f"fusetune: tables hold entries of {kernel} tuned for another version of its "
                 f"source ({info.source}; this one is {spec.config_source_hash(config)}): they "
                 "are not served. "
-                f"Tune it again, e.g. `fusetune search --kernel {spec.search_ref} --points "
-                "TABLE` over the table that held them, and export.",
+                f"Tune them again, e.g. `fusetune search --kernel {spec.search_ref} --points "
+                "TABLE --stale` over the table that held them, and export.",
                 FusetuneWarning, stacklevel=_caller_stacklevel())
         return False
     if info.triton is None:

@@ -160,3 +160,41 @@ def test_an_exported_table_searched_again_from_its_points(monkeypatch: pytest.Mo
     assert r.exit_code == 0, r.output
     assert "2 points of 2 kernels and dims for interpreter" in " ".join(r.output.split())
     assert n_results() == stored
+
+
+def test_stale_takes_the_entries_tuned_on_other_code(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    # After an edit to a kernel, only the entries the lookup no longer serves are searched
+    # again: those whose source is neither the kernel's nor that of what their config runs.
+    from fusetune.kernels import get_spec
+
+    spec = get_spec("ffn")
+    own = spec.config_source_hash(CONFIG)
+    unfused = {**CONFIG, "UNFUSED": 1}
+    path = tmp_path / "tables.yaml"
+    path.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {}, "gpus": {
+        "h100-sxm": {"ffn": [entry(FFN, 1, 1, source=own),               # served
+                             entry(FFN, 4, 1, source=spec.source_hash),  # served
+                             entry(FFN, 16, 1),                           # no source: served
+                             entry(FFN, 64, 1, source="0123456789ab"),    # another version
+                             {**entry(FFN, 256, 1, source=own), "config": unfused}]}}}))
+    r, seen = planned(monkeypatch, "--kernel", "all", "--gpu", "h100", "--points", str(path),
+                      "--stale")
+    assert r.exit_code == 0, r.output
+    assert "2 stale points" in " ".join(r.output.split())
+    assert [[p.batch for p in group] for group in seen] == [[64, 256]]
+    fresh = tmp_path / "fresh.yaml"
+    fresh.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {}, "gpus": {
+        "h100-sxm": {"ffn": [entry(FFN, 1, 1, source=own)]}}}))
+    r, seen = planned(monkeypatch, "--kernel", "all", "--gpu", "h100", "--points", str(fresh),
+                      "--stale")
+    assert r.exit_code == 0 and seen == [], r.output
+    assert "nothing to search" in " ".join(r.output.split())
+    r, _ = planned(monkeypatch, "--kernel", "ffn", "--gpu", "h100", "--stale")
+    assert r.exit_code == 2 and "--stale picks among the entries of --points" in r.output
+    listed = tmp_path / "list.yaml"
+    listed.write_text(yaml.safe_dump({"points": [{"kernel": "ffn", "dims": FFN, "rows": 1,
+                                                  "dtype": "bfloat16"}]}))
+    r, _ = planned(monkeypatch, "--kernel", "all", "--gpu", "h100", "--points", str(listed),
+                   "--stale")
+    assert r.exit_code == 1 and "a list of points does not" in r.output

@@ -27,10 +27,13 @@ from fusetune.tuner.search import SearchError
 Group = tuple[KernelSpec, list[Point]]
 
 
-def load_points(path: str | Path, gpu: str, kernel: str = "all") -> list[Group]:
+def load_points(path: str | Path, gpu: str, kernel: str = "all", stale: bool = False
+                ) -> list[Group]:
     """The points of `path` (a fusetune table: its entries for `gpu`; or a `points:` list),
     those of `kernel` only unless "all", grouped as (spec, points) by kernel, dims, weights and
-    activations. SearchError naming the file, the entry and the bad value."""
+    activations; with `stale`, only a table's entries the lookup no longer serves because they
+    were tuned on another version of the code their config runs (their `source`; see
+    `is_stale`), possibly none. SearchError naming the file, the entry and the bad value."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
@@ -41,6 +44,9 @@ def load_points(path: str | Path, gpu: str, kernel: str = "all") -> list[Group]:
         except ValueError as e:
             raise SearchError(str(e)) from None
     raw = _raw_entries(doc, path, gpu)
+    if stale and not (isinstance(doc, Mapping) and isinstance(doc.get("gpus"), Mapping)):
+        raise SearchError(f"--points {path} --stale: a table's entries record the code they "
+                          "were tuned on; a list of points does not")
     groups: dict[tuple[Any, ...], Group] = {}
     for i, (name, entry) in enumerate(raw, 1):
         where = f"--points {path}, entry {i}"
@@ -53,14 +59,25 @@ def load_points(path: str | Path, gpu: str, kernel: str = "all") -> list[Group]:
             point = _point(spec, entry)
         except (ValueError, TypeError) as e:
             raise SearchError(f"{where} ({name}): {e}") from None
+        if stale and not is_stale(spec, entry):
+            continue
         key = (name, point.dims, point.weights, point.activations)
         group = groups.setdefault(key, (spec, []))
         if point not in group[1]:
             group[1].append(point)
-    if not groups:
+    if not groups and not stale:
         what = "points" if kernel == "all" else f"{kernel} points"
         raise SearchError(f"--points {path}: no {what} for {gpu} in it")
     return list(groups.values())
+
+
+def is_stale(spec: KernelSpec, entry: Mapping[str, Any]) -> bool:
+    """Whether a table entry records a source hash that is neither the kernel's nor that of
+    what its config runs here (runtime._usable's test): tuned on other code, not served."""
+    source, config = entry.get("source"), entry.get("config")
+    if source is None or not isinstance(config, Mapping):
+        return False
+    return source not in (spec.source_hash, spec.config_source_hash(config))
 
 
 def _raw_entries(doc: Any, path: str | Path, gpu: str) -> list[tuple[Any, Any]]:
