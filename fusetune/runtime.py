@@ -683,8 +683,7 @@ def _usable(spec: KernelSpec, info: EntryInfo, config: Mapping[str, int]) -> boo
     tuned with another Triton version as other_triton_policy says. Each refusal and each
     other version served warns once, naming the kernel and what to run."""
     kernel = spec.name
-    if info.source is not None and info.source not in (spec.source_hash,
-                                                       spec.config_source_hash(config)):
+    if info.source is not None and not spec.runs_source(info.source, config):
         warn_key = ("source", kernel, info.source)
         if warn_key not in _warned:
             _warned.add(warn_key)

@@ -375,6 +375,12 @@ class KernelSpec:
             return self.source_hash
         return self._own_source_hash
 
+    def runs_source(self, source: str, config: Mapping[str, Any]) -> bool:
+        """Whether a table entry of `config` that records source hash `source` was tuned on
+        the code this process runs for it: the kernel's whole source's hash (older tables'),
+        or that of what the config runs (config_source_hash)."""
+        return source in (self.source_hash, self.config_source_hash(config))
+
     def validate_config(self, config: Mapping[str, Any], where: str = "config") -> Config:
         """Checks a user- or table-supplied config; returns it as a plain dict of ints."""
         if not isinstance(config, Mapping):

@@ -9,7 +9,7 @@ import shlex
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -679,24 +679,28 @@ def test_shipped_tables_are_valid_for_every_kernel() -> None:
         assert len(tables.parse_tables(f.read_text(), f.name)) > 0
 
 
+def shipped_entries() -> Iterator[tuple[str, str, str, list[dict[str, Any]]]]:
+    """(file name, GPU, kernel, entries) of every shipped table, the files in name order."""
+    from importlib import resources
+
+    for f in sorted(resources.files("fusetune.shipped_tables").iterdir(), key=lambda f: f.name):
+        if f.name.endswith(".yaml"):
+            for gpu, kernels in yaml.safe_load(f.read_text())["gpus"].items():
+                for kernel, entries in kernels.items():
+                    yield f.name, gpu, kernel, entries
+
+
 def test_shipped_tables_hold_each_lookup_key_once() -> None:
     # Two shipped entries of one key (GPU, kernel, dims, dtype, weights, activations, rows)
     # would leave the answer to the files' order: the newer measurement must replace the older.
-    from importlib import resources
-
     where: dict[tuple[Any, ...], str] = {}
-    for f in sorted(resources.files("fusetune.shipped_tables").iterdir(), key=lambda f: f.name):
-        if not f.name.endswith(".yaml"):
-            continue
-        for gpu, kernels in yaml.safe_load(f.read_text())["gpus"].items():
-            for kernel, entries in kernels.items():
-                for i, e in enumerate(entries):
-                    key = (gpu, kernel, tuple(sorted(e["dims"].items())), e["dtype"],
-                           e.get("weights", ""), e.get("activations", ""),
-                           e["batch"] * e["seq"])
-                    here = f"{f.name}: gpus.{gpu}.{kernel}[{i}]"
-                    assert key not in where, f"{here} repeats {where[key]}"
-                    where[key] = here
+    for name, gpu, kernel, entries in shipped_entries():
+        for i, e in enumerate(entries):
+            key = (gpu, kernel, tuple(sorted(e["dims"].items())), e["dtype"],
+                   e.get("weights", ""), e.get("activations", ""), e["batch"] * e["seq"])
+            here = f"{name}: gpus.{gpu}.{kernel}[{i}]"
+            assert key not in where, f"{here} repeats {where[key]}"
+            where[key] = here
 
 
 def test_shipped_entries_were_tuned_on_the_kernels_source() -> None:
@@ -704,38 +708,26 @@ def test_shipped_entries_were_tuned_on_the_kernels_source() -> None:
     # that of what its config runs): a change to a kernel (or a function in its SOURCES)
     # without searching its shipped points again would leave them unserved. Entries without
     # one (older files) are served as they are.
-    from importlib import resources
-
     from fusetune.kernels import get_spec
 
-    for f in resources.files("fusetune.shipped_tables").iterdir():
-        if not f.name.endswith(".yaml"):
-            continue
-        for gpu, kernels in yaml.safe_load(f.read_text())["gpus"].items():
-            for kernel, entries in kernels.items():
-                spec = get_spec(kernel)
-                stale = [i for i, e in enumerate(entries) if e.get("source") not in (
-                    None, spec.source_hash, spec.config_source_hash(e["config"]))]
-                assert not stale, (f"{f.name}: gpus.{gpu}.{kernel}: {len(stale)} entries tuned "
-                                   "on another source of the kernel: search them again")
+    for name, gpu, kernel, entries in shipped_entries():
+        spec = get_spec(kernel)
+        stale = [i for i, e in enumerate(entries)
+                 if e.get("source") is not None and not spec.runs_source(e["source"], e["config"])]
+        assert not stale, (f"{name}: gpus.{gpu}.{kernel}: {len(stale)} entries tuned on another "
+                           "source of the kernel: search them again")
 
 
 def test_shipped_marginal_flags_follow_the_export_rule() -> None:
     # An entry's `marginal` decides whether its winner or the default runs: each flag is what
     # `export` writes from the entry's own two medians (entries without one were exported
     # before winners were judged, and are served as they are).
-    from importlib import resources
-
     from fusetune.export import is_marginal
 
-    for f in resources.files("fusetune.shipped_tables").iterdir():
-        if not f.name.endswith(".yaml"):
-            continue
-        for gpu, kernels in yaml.safe_load(f.read_text())["gpus"].items():
-            for kernel, entries in kernels.items():
-                off = [i for i, e in enumerate(entries) if "marginal" in e
-                       and e["marginal"] != is_marginal(e["time_us"], e["default_us"])]
-                assert not off, f"{f.name}: gpus.{gpu}.{kernel}: entries {off} flagged otherwise"
+    for name, gpu, kernel, entries in shipped_entries():
+        off = [i for i, e in enumerate(entries) if "marginal" in e
+               and e["marginal"] != is_marginal(e["time_us"], e["default_us"])]
+        assert not off, f"{name}: gpus.{gpu}.{kernel}: entries {off} flagged otherwise"
 
 
 def test_env_tables_checked_at_the_kernels_first_lookup(tmp_path: Path,

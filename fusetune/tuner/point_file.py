@@ -72,12 +72,12 @@ def load_points(path: str | Path, gpu: str, kernel: str = "all", stale: bool = F
 
 
 def is_stale(spec: KernelSpec, entry: Mapping[str, Any]) -> bool:
-    """Whether a table entry records a source hash that is neither the kernel's nor that of
-    what its config runs here (runtime._usable's test): tuned on other code, not served."""
+    """Whether a table entry records a source hash of other code than its config runs here
+    (KernelSpec.runs_source, the lookup's test): tuned on other code, not served."""
     source, config = entry.get("source"), entry.get("config")
     if source is None or not isinstance(config, Mapping):
         return False
-    return source not in (spec.source_hash, spec.config_source_hash(config))
+    return not spec.runs_source(source, config)
 
 
 def _raw_entries(doc: Any, path: str | Path, gpu: str) -> list[tuple[Any, Any]]:
