@@ -179,7 +179,7 @@ def _compile(kernel: str, point: Any, configs: list[dict[str, int]], device: str
         del compile_config  # the inputs, given back to the device for the other processes
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    eager = _eager(kernel) if device.startswith("cuda") else None
+    eager = _compile_column(kernel, device)
     if eager is not None:
         # torch.compile of the model's code at this point, once: inductor's on-disk caches (its
         # graphs, their Triton kernels) then serve the timing process's compile of the entry,
@@ -211,10 +211,10 @@ def compile_all(todo: list[Entry], device: str, jobs: int) -> None:
           file=sys.stderr)
 
 
-def _compile_column(kernel: str, backend: str) -> Callable[[dict[str, Any]], Any] | None:
-    """The torch code the timing process compiles beside an entry (None: no column; on the
+def _compile_column(kernel: str, device: str) -> Callable[[dict[str, Any]], Any] | None:
+    """The torch code compiled and timed beside an entry on `device` (None: no column; on the
     interpreter none: inductor's CPU code against interpreted kernels is no comparison)."""
-    return _eager(kernel) if backend == "cuda" else None
+    return _eager(kernel) if device.startswith("cuda") else None
 
 
 def _eager(kernel: str) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
@@ -352,7 +352,7 @@ def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) 
         out = ev.check(c)
         if not out.ok:
             e.failed[name] = f"{out.status}: {out.reason}"
-    eager = _compile_column(e.kernel, backend)
+    eager = _compile_column(e.kernel, device)
     compiled: Callable[[], Any] | None = None
     if eager is not None and not e.failed:
         compiled_fn, inputs = _compiled_afresh(eager), dict(ev.inputs)
@@ -540,18 +540,28 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
     if markdown:
         Path(markdown).write_text(text + "\n")
     if json_path:
-        Path(json_path).write_text(json.dumps(
-            [{"gpu": gpu.name, "kernel": e.kernel, "dims": dict(e.dims), "dtype": e.dtype,
-              "rows": e.rows,
-              "weights": e.weights, "activations": e.activations, "marginal": e.marginal,
-              "config": e.config, "default_config": e.default, "times": e.times,
-              "unfused_config": e.unfused, "compile_us": e.compile_us,
-              "failed": e.failed, "verdict": verdict(e)} for e in todo], indent=1))
+        Path(json_path).write_text(json.dumps([_record(e, gpu.name) for e in todo], indent=1))
     return 1 if served_slower or total["failed"] else 0
 
 
-RESUMED = ("kernel", "dims", "dtype", "rows", "weights", "activations", "config",
-           "default_config", "times", "failed", "compile_us", "unfused_config")
+def _record(e: Entry, gpu: str) -> dict[str, Any]:
+    """An entry as --json writes it (and --resume reads it)."""
+    return {"gpu": gpu, "kernel": e.kernel, "dims": dict(e.dims), "dtype": e.dtype,
+            "rows": e.rows, "weights": e.weights, "activations": e.activations,
+            "marginal": e.marginal, "config": e.config, "default_config": e.default,
+            "times": e.times, "unfused_config": e.unfused, "compile_us": e.compile_us,
+            "failed": e.failed, "verdict": verdict(e)}
+
+
+# What makes a record the measurement of an entry (its lookup key, config and default), and
+# what --resume takes from it.
+SAME_ENTRY = ("kernel", "dims", "dtype", "rows", "weights", "activations", "config",
+              "default_config")
+RESUMED = (*SAME_ENTRY, "times", "failed", "compile_us", "unfused_config")
+
+
+def _same_entry(record: dict[str, Any]) -> str:
+    return json.dumps({k: record[k] for k in SAME_ENTRY}, sort_keys=True)
 
 
 def resume(todo: list[Entry], path: str, gpu: str) -> int:
@@ -570,7 +580,7 @@ def resume(todo: list[Entry], path: str, gpu: str) -> int:
     other = sorted({str(r.get("gpu", "an unnamed GPU")) for r in records} - {gpu})
     if other:
         raise ValueError(f"--resume {path}: measured on {', '.join(other)}, not {gpu}")
-    done: dict[tuple[Any, ...], dict[str, Any]] = {}
+    done: dict[str, dict[str, Any]] = {}
     for i, r in enumerate(records):
         if r.get("verdict") == "not measured":
             continue
@@ -578,14 +588,10 @@ def resume(todo: list[Entry], path: str, gpu: str) -> int:
         if missing:
             raise ValueError(f"--resume {path}: entry {i} is not a bench_tables entry (no "
                              f"{', '.join(missing)})")
-        key = (r["kernel"], tuple(sorted(r["dims"].items())), r["dtype"], r["rows"],
-               r["weights"], r["activations"], json.dumps(r["config"], sort_keys=True),
-               json.dumps(r["default_config"], sort_keys=True))
-        done[key] = r
+        done[_same_entry(r)] = r
     n = 0
     for e in todo:
-        r = done.get((e.kernel, e.dims, e.dtype, e.rows, e.weights, e.activations,
-                      json.dumps(e.config, sort_keys=True), json.dumps(e.default, sort_keys=True)))
+        r = done.get(_same_entry(_record(e, gpu)))
         if r is None:
             continue
         e.times = {k: [tuple(q) for q in qs] for k, qs in r["times"].items()}

@@ -337,7 +337,7 @@ def test_torch_compile_takes_its_turn_in_the_rounds(interp: None, tmp_path: Path
 
     monkeypatch.setattr(Evaluator, "timing", timing)
     monkeypatch.setattr(bench_tables, "_compile_column",
-                        lambda kernel, backend: bench_tables._eager(kernel))
+                        lambda kernel, device: bench_tables._eager(kernel))
     monkeypatch.setattr(bench_tables, "_compiled_afresh", lambda eager: eager)
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     bench_tables._measure_one(e, "interpreter", "cpu", 3, 1)
