@@ -95,18 +95,24 @@ def grouped_mm(inputs: dict[str, Any]) -> Any:
 @triton.jit
 def _read_experts_kernel(GU, DN, USED, OUT, n_gu, n_dn, BLOCK: tl.constexpr,
                          EVICT: tl.constexpr):
-    # Program (j, b): elements [b·BLOCK, (b+1)·BLOCK) of expert USED[j]'s weights taken as one
+    # Program (b, j): elements [b·BLOCK, (b+1)·BLOCK) of expert USED[j]'s weights taken as one
     # range, its gate_up slab (n_gu elements) and then its down slab (n_dn); each load's mask
     # keeps it inside its slab, so every byte is read once. Writes the block's float32 sum:
-    # almost nothing, as the experts' GEMVs write almost nothing at a few tokens.
-    e = tl.load(USED + tl.program_id(0)).to(tl.int64)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # almost nothing, as the experts' GEMVs write almost nothing at a few tokens. (The blocks
+    # on grid axis 0, the only one not limited to 65535: Mixtral's expert is 176M elements.)
+    e = tl.load(USED + tl.program_id(1)).to(tl.int64)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_gu = offs < n_gu
     a = tl.load(GU + e * n_gu + offs, mask=in_gu, other=0.0, eviction_policy=EVICT)
     b = tl.load(DN + e * n_dn + (offs - n_gu), mask=~in_gu & (offs < n_gu + n_dn), other=0.0,
                 eviction_policy=EVICT)
     total = tl.sum(a.to(tl.float32), axis=0) + tl.sum(b.to(tl.float32), axis=0)
-    tl.store(OUT + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), total)
+    tl.store(OUT + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), total)
+
+
+def read_grid(used: int, per_expert: int, block: int) -> tuple[int, int]:
+    """_read_experts_kernel's grid: (blocks of an expert, experts)."""
+    return triton.cdiv(per_expert, block), used
 
 
 def read_experts(gate_up: torch.Tensor, down: torch.Tensor, used: torch.Tensor, block: int,
@@ -114,7 +120,7 @@ def read_experts(gate_up: torch.Tensor, down: torch.Tensor, used: torch.Tensor, 
     """The read-only kernel over the experts `used` (int32 ids) of gate_up [E, 2H, D] and down
     [E, D, H]: per program, the float32 sum of its block (their total: the weights' sum)."""
     n_gu, n_dn = gate_up[0].numel(), down[0].numel()
-    grid = (used.numel(), triton.cdiv(n_gu + n_dn, block))
+    grid = read_grid(used.numel(), n_gu + n_dn, block)
     out = torch.empty(grid[0] * grid[1], device=gate_up.device, dtype=torch.float32)
     _read_experts_kernel[grid](gate_up, down, used, out, n_gu, n_dn, BLOCK=block,
                                EVICT="evict_first" if evict else "", num_warps=warps)

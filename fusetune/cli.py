@@ -66,7 +66,7 @@ def _config_str(config: dict[str, int] | None, kernel: str | None = None) -> str
     if config.get("UNFUSED"):  # its other keys mean nothing (fusetune/kernels/_unfused.py)
         form = spec.unfused_form if spec is not None else "the unfused form"
         return f"UNFUSED=1 ({form})"
-    flags: dict[str, int] = dict(spec.flags) if spec is not None else {}
+    flags: dict[str, int] = spec.omitted_values if spec is not None else {}
     return " ".join(f"{k}={v}" for k, v in config.items() if not (k in flags and flags[k] == v))
 
 

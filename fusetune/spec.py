@@ -192,6 +192,9 @@ class KernelSpec:
     - `dims_from_model(preset)`: this kernel's dims for a model preset.
     - `flags`: config keys whose value is 0 or 1, with the value a config that leaves them out
       means (tables and configs written before the key existed stay valid).
+    - `same_as`: config keys whose value 0 (or leaving them out) means the value of the key
+      they name (moe's DOWN_N: its second launch's column tile, 0: BLOCK_N's); any other value
+      is a positive integer as for the other keys.
     - `weight_formats`: the Point.weights values besides "" that `make_inputs` can build.
     - `activation_modes`: the Point.activations values besides "" the kernel can run, with
       `activation_tolerance`, the tolerance of those modes per activation dtype (FP8
@@ -218,6 +221,10 @@ class KernelSpec:
     - `algorithm_sources`: those of source_objects that only configs of another algorithm
       (an algorithm key set) run: a config of the kernel's own code is served with the hash of
       the other sources (config_source_hash), so a change to these alone leaves its entries.
+    - `structure_sources`: (runs, sources) pairs within the kernel's own code: the sources only
+      configs for which runs(config) holds run (moe's per-pair GEMV launches, its grouped
+      tiles); a config's hash leaves out those of the structures it does not run, so a change
+      to one structure leaves the entries of the others.
     - `unfused_form`: what an UNFUSED = 1 config runs, in words (for `show` and the search's
       tables).
     - `optional_dims`: dims beside dim_names with a default (qkv's qk_norm: 0), which points,
@@ -269,6 +276,9 @@ class KernelSpec:
     source_objects: tuple[Any, ...] = ()
     algorithm_sources: tuple[Any, ...] = ()
     flags: Mapping[str, int] = field(default_factory=dict)
+    same_as: Mapping[str, str] = field(default_factory=dict)
+    structure_sources: tuple[tuple[Callable[[Mapping[str, Any]], bool], tuple[Any, ...]],
+                             ...] = ()
     weight_formats: tuple[str, ...] = ()
     activation_modes: tuple[str, ...] = ()
     activation_tolerance: Mapping[str, float] = field(default_factory=dict)
@@ -360,20 +370,38 @@ class KernelSpec:
         return _source_hash(self.source_objects)
 
     @functools.cached_property
-    def _own_source_hash(self) -> str:
-        """Hash of the sources a config of the kernel's own code runs: all but
-        `algorithm_sources`."""
-        others = {id(o) for o in self.algorithm_sources}
-        return _source_hash(tuple(o for o in self.source_objects if id(o) not in others))
+    def _source_hashes(self) -> dict[tuple[bool, ...], str]:
+        """_config_sources_hash's, by its argument (read once, as source_hash)."""
+        return {}
+
+    def _config_sources_hash(self, runs: tuple[bool, ...]) -> str:
+        """Hash of the sources a config runs: all but `algorithm_sources` where it is of the
+        kernel's own code (runs[0] False), and but the sources of each of `structure_sources`
+        it does not run (runs[1:])."""
+        if runs not in self._source_hashes:
+            skip = set() if runs[0] else {id(o) for o in self.algorithm_sources}
+            for ran, (_, sources) in zip(runs[1:], self.structure_sources, strict=True):
+                if not ran:
+                    skip |= {id(o) for o in sources}
+            self._source_hashes[runs] = _source_hash(
+                tuple(o for o in self.source_objects if id(o) not in skip))
+        return self._source_hashes[runs]
+
+    @property
+    def omitted_values(self) -> dict[str, int]:
+        """What a config that leaves out a key of `flags` or `same_as` means for it."""
+        return {**self.flags, **dict.fromkeys(self.same_as, 0)}
 
     def config_source_hash(self, config: Mapping[str, Any]) -> str:
-        """The source hash a table entry of `config` records and is served with: the whole
-        source's for a config of another algorithm (an algorithm key set), the source without
-        `algorithm_sources` for a config of the kernel's own code, which never runs them (so
-        that a change to the unfused form alone leaves the fused entries served)."""
-        if not self.algorithm_sources or any(config.get(k) for k in self.algorithm_keys):
-            return self.source_hash
-        return self._own_source_hash
+        """The source hash a table entry of `config` records and is served with: that of the
+        sources the config runs (the whole source's for a config of another algorithm, an
+        algorithm key set, but for the `structure_sources` it does not run; without
+        `algorithm_sources` for a config of the kernel's own code, which never runs them), so
+        that a change to the unfused form alone leaves the fused entries served, and one to
+        a structure the entries of the others."""
+        other = any(config.get(k) for k in self.algorithm_keys)
+        return self._config_sources_hash(
+            (other, *(bool(runs(config)) for runs, _ in self.structure_sources)))
 
     def runs_source(self, source: str, config: Mapping[str, Any]) -> bool:
         """Whether a table entry of `config` that records source hash `source` was tuned on
@@ -388,7 +416,8 @@ class KernelSpec:
                 f"{where}: expected a mapping of {', '.join(self.config_keys)}, "
                 f"got {type(config).__name__}"
             )
-        missing = [k for k in self.config_keys if k not in config and k not in self.flags]
+        missing = [k for k in self.config_keys
+                   if k not in config and k not in self.flags and k not in self.same_as]
         unknown = [k for k in config if k not in self.config_keys]
         if missing or unknown:
             parts = []
@@ -396,8 +425,9 @@ class KernelSpec:
                 parts.append(f"missing {', '.join(missing)}")
             if unknown:
                 parts.append(f"unknown {', '.join(map(str, unknown))}")
-            optional = (f"; {', '.join(f'{k} (default {v})' for k, v in self.flags.items())} "
-                        "may be left out" if self.flags else "")
+            left_out = [f"{k} (default {v})" for k, v in self.flags.items()] + [
+                f"{k} (default 0: {same})" for k, same in self.same_as.items()]
+            optional = f"; {', '.join(left_out)} may be left out" if left_out else ""
             if "ACT_FP8" in unknown:  # a key of older tables and configs
                 optional += ("; ACT_FP8 is no config key: FP8 activations change the results, "
                              "so they are the caller's mode (fp8_activations=True; in a table "
@@ -408,7 +438,10 @@ class KernelSpec:
             )
         out: Config = {}
         for k in self.config_keys:
-            v = config.get(k, self.flags.get(k))
+            v = config.get(k, self.omitted_values.get(k))
+            if k in self.same_as and v == 0 and not isinstance(v, bool):
+                out[k] = 0
+                continue
             if k in self.flags:
                 if isinstance(v, bool) or v not in (0, 1):
                     raise ConfigError(f"{where}: {k}={v!r} must be 0 or 1")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.bench_moe import read_experts
+from benchmarks.bench_decode import READ_SHAPES
+from benchmarks.bench_moe import read_experts, read_grid
 
 
 @pytest.mark.parametrize(("block", "dtype"), [(64, torch.float32), (128, torch.float16),
@@ -21,3 +22,10 @@ def test_read_only_kernel_reads_the_routed_experts_bytes(block: int, dtype: torc
     per_expert = sums.view(2, -1).sum(1).double()
     want = torch.stack([gate_up[i].double().sum() + down[i].double().sum() for i in (4, 1)])
     assert torch.allclose(per_expert, want, rtol=1e-5, atol=1e-4)
+
+
+def test_read_only_grid_fits_the_launch_limits_at_mixtrals_experts() -> None:
+    # an expert of Mixtral-8x7B is 3·14336·4096 elements: at the smallest block its blocks
+    # (over 85,000) must lie on grid axis 0, the only one not limited to 65535
+    blocks, experts = read_grid(2, 3 * 14336 * 4096, min(b for b, _, _ in READ_SHAPES))
+    assert blocks > 65535 and blocks < 2**31 and experts == 2

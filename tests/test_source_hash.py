@@ -20,6 +20,7 @@ from fusetune.db.store import PointKey, Store
 from fusetune.export import build_tables
 from fusetune.kernels import REGISTRY, get_spec
 from fusetune.kernels import linear as linear_module
+from fusetune.kernels import moe as moe_module
 from fusetune.tuner.space import config_key
 
 LINEAR = get_spec("linear")
@@ -53,12 +54,47 @@ def test_an_edit_to_the_unfused_form_keeps_the_fused_configs_hash() -> None:
     assert rmsnorm.config_source_hash({"BLOCK_D": 64}) == rmsnorm.source_hash
 
 
+def edited_spec(spec: Any, old: Any) -> Any:
+    """`spec` as it would be after an edit to `old` alone (another function in its place)."""
+    def edited(*args: Any) -> None:
+        raise NotImplementedError
+
+    def swap(objects: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(edited if o is old else o for o in objects)
+
+    return dataclasses.replace(
+        spec, source_objects=swap(spec.source_objects),
+        algorithm_sources=swap(spec.algorithm_sources),
+        structure_sources=tuple((runs, swap(s)) for runs, s in spec.structure_sources))
+
+
+def test_an_edit_to_one_structure_keeps_the_others_hash() -> None:
+    # moe's per-pair GEMV launches and its grouped tiles are structures of its own code: an
+    # edit to one leaves the entries of the other (and of the unfused form) served
+    moe = get_spec("moe")
+    base = {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "UNFUSED": 0}
+    per_pair = moe.validate_config({**base, "BLOCK_M": 1})
+    grouped = moe.validate_config({**base, "BLOCK_M": 16})
+    unfused = moe.validate_config({**base, "BLOCK_M": 16, "UNFUSED": 1})
+    hashes = {moe.config_source_hash(c) for c in (per_pair, grouped, unfused)}
+    assert len(hashes) == 3 and moe.source_hash not in hashes
+    edits = {"per-pair": moe_module._launch_per_pair, "grouped": moe_module.group_pairs,
+             "unfused": moe_module._launch_unfused, "shared": moe_module._launch_2d}
+    changed = {"per-pair": {0}, "grouped": {1}, "unfused": {2}, "shared": {0, 1, 2}}
+    for name, old in edits.items():
+        edited = edited_spec(moe, old)
+        got = {i for i, c in enumerate((per_pair, grouped, unfused))
+               if edited.config_source_hash(c) != moe.config_source_hash(c)}
+        assert got == changed[name], name
+
+
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_algorithm_sources_are_sources_of_an_algorithm(name: str) -> None:
     spec = get_spec(name)
     ids = {id(o) for o in spec.source_objects}
     assert all(id(o) in ids for o in spec.algorithm_sources)
     assert not spec.algorithm_sources or spec.algorithm_keys
+    assert all(id(o) in ids for _, sources in spec.structure_sources for o in sources)
 
 
 def lookup_with(tmp_path: Path, config: dict[str, int], source: str) -> dict[str, int]:

@@ -181,9 +181,32 @@ params:
     values = {p.name: p.values for p in space.params}
     assert all(values[flag] == (default,) for flag, default in ffn.flags.items())
     assert space.size == 2
-    with pytest.raises(SpaceError, match=r"the flags UNROLL_K, SPREAD, THREAD_SUM, TMA, "
-                                         r"UNFUSED may be left out"):
+    with pytest.raises(SpaceError, match=r"UNROLL_K, SPREAD, THREAD_SUM, TMA, UNFUSED may be "
+                                         r"left out"):
         parse_space(text.replace("  num_stages: {values: [3]}\n", ""), ffn, "old.yaml")
+
+
+def test_same_as_keys_take_zero_and_may_be_left_out() -> None:
+    # moe's DOWN_N, DOWN_K, DOWN_WARPS: 0 is launch 1's value; left out, they keep it
+    moe = get_spec("moe")
+    text = """kernel: moe
+params:
+  BLOCK_M: {values: [1]}
+  BLOCK_N: {values: [16]}
+  BLOCK_K: {values: [64]}
+  num_warps: {values: [4]}
+  num_stages: {values: [1]}
+  DOWN_N: {values: [0, 8]}
+"""
+    values = {p.name: p.values for p in parse_space(text, moe, "m.yaml").params}
+    assert values["DOWN_N"] == (0, 8) and values["DOWN_K"] == (0,)
+    assert values["DOWN_WARPS"] == (0,) and values["UNFUSED"] == (0,)
+    with pytest.raises(SpaceError, match=r"DOWN_N: values needs a non-empty list of 0 or "
+                                         r"positive integers, got \[-8\]"):
+        parse_space(text.replace("[0, 8]", "[-8]"), moe, "m.yaml")
+    with pytest.raises(SpaceError, match="BLOCK_N: values needs a non-empty list of positive"):
+        parse_space(text.replace("BLOCK_N: {values: [16]}", "BLOCK_N: {values: [0]}"), moe,
+                    "m.yaml")
 
 
 def test_a_sampled_plan_answers_as_the_enumerated_one() -> None:

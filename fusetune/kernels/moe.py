@@ -37,10 +37,11 @@ weights are upcast with their scales first (all the experts: a transient 16-bit 
 Cheaper at prefill where cuBLAS's grouped GEMM beats the Triton tiles.
 
 Tunables (search_spaces/moe.yaml): BLOCK_M (the grouping's rows per block; 1: the per-pair
-structure), BLOCK_N, BLOCK_K, num_warps, num_stages, shared by the two launches; HALF_DOWN = 1
-(per-pair structure only): launch 2's tiles are BLOCK_N / 2 columns wide (launch 2 has a
-program per token and column block, launch 1 one per pair and column block: at a few tokens
-launch 2 has top_k times fewer programs, each with top_k weight tiles); UNFUSED.
+structure), BLOCK_N, BLOCK_K, num_warps, num_stages, shared by the grouped structure's two
+launches; in the per-pair structure DOWN_N, DOWN_K and DOWN_WARPS are launch 2's own column
+tile, K-step and warps (0: launch 1's), since its programs differ in kind (one per token and
+column block, top_k weight tiles each, against one per pair and column block: at a few tokens
+top_k times fewer programs with top_k times the loads); UNFUSED.
 """
 
 from __future__ import annotations
@@ -85,13 +86,16 @@ from fusetune.spec import (
 )
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "UNFUSED",
-               "HALF_DOWN")
+               "DOWN_N", "DOWN_K", "DOWN_WARPS")
+# The per-pair structure's launch 2 keys, each 0 where it takes launch 1's value.
+DOWN_KEYS = {"DOWN_N": "BLOCK_N", "DOWN_K": "BLOCK_K", "DOWN_WARPS": "num_warps"}
 # The tokens a server hands one layer (`search`'s rows where none are given): decode batches
 # up to 256 and prefills from 512 to 8192.
 SERVER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Every other key of an UNFUSED config means nothing: its one canonical config.
 _UNFUSED_CONFIG: Config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4,
-                           "num_stages": 2, "UNFUSED": 1, "HALF_DOWN": 0}
+                           "num_stages": 2, "UNFUSED": 1, "DOWN_N": 0, "DOWN_K": 0,
+                           "DOWN_WARPS": 0}
 
 
 @triton.jit
@@ -393,22 +397,26 @@ def _launch_per_pair(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     h, k = h2 // 2, topk_ids.shape[1]
     w1, w_fp8 = fp8.weight_operand(gate_up, False, gemv=True)
     w2, _ = fp8.weight_operand(down, False, gemv=True)
-    bn = config["BLOCK_N"]
-    bn_down = bn // 2 if config.get("HALF_DOWN") else bn
-    meta = dict(TOP_K=k, W_FP8=w_fp8, BLOCK_K=config["BLOCK_K"],
-                num_warps=config["num_warps"], num_stages=config["num_stages"])
+    tile2 = _down_tile(config)
+    meta = dict(TOP_K=k, W_FP8=w_fp8, num_stages=config["num_stages"])
     s1 = topk_weights if gate_up_scale is None else gate_up_scale  # (not read unless scaled)
     s2 = topk_weights if down_scale is None else down_scale
-    direct(_pair_gemv_kernel)[(t * k, 1, cdiv(h, bn))](
+    direct(_pair_gemv_kernel)[(t * k, 1, cdiv(h, config["BLOCK_N"]))](
         x, w1, inter, topk_ids, s1, h, d, e,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0),
         0 if gate_up_scale is None else gate_up_scale.stride(0),
-        W_SCALED=gate_up_scale is not None, BLOCK_N=bn, **meta)
-    direct(_token_gemv_kernel)[(t, 1, cdiv(d, bn_down))](
+        W_SCALED=gate_up_scale is not None, BLOCK_N=config["BLOCK_N"],
+        BLOCK_K=config["BLOCK_K"], num_warps=config["num_warps"], **meta)
+    direct(_token_gemv_kernel)[(t, 1, cdiv(d, tile2["BLOCK_N"]))](
         inter, w2, out, topk_ids, topk_weights, s2, d, h, e,
         inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
         0 if down_scale is None else down_scale.stride(0),
-        J=triton.next_power_of_2(k), W_SCALED=down_scale is not None, BLOCK_N=bn_down, **meta)
+        J=triton.next_power_of_2(k), W_SCALED=down_scale is not None, **tile2, **meta)
+
+
+def _down_tile(config: Config) -> dict[str, int]:
+    """The per-pair structure's launch 2 tile: DOWN_N, DOWN_K, DOWN_WARPS, or launch 1's."""
+    return {key: config.get(down) or config[key] for down, key in DOWN_KEYS.items()}
 
 
 def _experts_upcast(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
@@ -573,10 +581,10 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
         # launch 2's [top_k, BLOCK_K, BLOCK_N] tiles kept at 8192 elements (registers)
         bk = max(32, min(256, 8192 // (16 * next_pow2(dm["top_k"]))))
         return {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": bk, "num_warps": 4, "num_stages": 1,
-                "UNFUSED": 0, "HALF_DOWN": 0}
+                "UNFUSED": 0, **dict.fromkeys(DOWN_KEYS, 0)}
     bm = 16 if pairs_per_expert <= 16 else 32 if pairs_per_expert <= 64 else 64
     c = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3,
-         "UNFUSED": 0, "HALF_DOWN": 0}
+         "UNFUSED": 0, **dict.fromkeys(DOWN_KEYS, 0)}
     # At decode only the routed experts' blocks work: narrower column tiles until the launch
     # with fewer columns has about two programs per SM, each streaming its rows of the
     # weights, with longer K-steps for the narrower tiles.
@@ -606,8 +614,11 @@ def _canonical(config: Config, point: Point) -> Config:
     c = dict(config)
     if c["BLOCK_M"] == 1:  # the GEMV loops have no software pipeline: num_stages changes nothing
         c["num_stages"] = 1
-    else:  # the grouped structure's two launches share their tile
-        c["HALF_DOWN"] = 0
+    for down, key in DOWN_KEYS.items():
+        # launch 1's value written out is the same kernel as 0; the grouped structure's two
+        # launches share their tile
+        if c.get(down) == c[key] or c["BLOCK_M"] != 1:
+            c[down] = 0
     return c
 
 
@@ -618,10 +629,13 @@ def _resources(config: Config, point: Point) -> Resources:
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if bm == 1:
         dm = point.dim
-        # launch 1: two [BLOCK_K, BLOCK_N] accumulators; launch 2: one per pair of a token
-        # (HALF_DOWN: launch 2's tiles half as wide, the registers of half as many)
-        j = next_pow2(dm["top_k"]) // (2 if config.get("HALF_DOWN") else 1)
-        res = gemv_resources(config, 1, w_elt, max(2, j))
+        # launch 1: two [BLOCK_K, BLOCK_N] accumulators; launch 2 (its own tile): one per pair
+        # of a token. A program of either launch must fit: the larger demand of each.
+        one = gemv_resources(config, 1, w_elt, 2)
+        two = gemv_resources(_down_tile(config), 1, w_elt, next_pow2(dm["top_k"]))
+        res = Resources(smem_bytes=max(one.smem_bytes, two.smem_bytes),
+                        regs_per_thread=max(one.regs_per_thread, two.regs_per_thread),
+                        threads=max(one.threads, two.threads))
         if point.rows * dm["top_k"] > PER_PAIR_MAX * dm["experts"]:
             res = dataclasses.replace(res, unfit=(
                 f"structure: BLOCK_M=1 (a program per pair) reads an expert's weights once for "
@@ -648,6 +662,14 @@ def _cost(point: Point) -> Cost:
     return Cost(bytes=bytes_, flops=2 * t * k * 3 * h * d)
 
 
+def _runs_per_pair(config: Mapping[str, int]) -> bool:
+    return config["BLOCK_M"] == 1 and not config.get("UNFUSED")
+
+
+def _runs_grouped(config: Mapping[str, int]) -> bool:
+    return config["BLOCK_M"] != 1 and not config.get("UNFUSED")
+
+
 def _dims_from_model(model: ModelPreset) -> dict[str, int]:
     if not model.experts:
         raise ModelError(f"{model.name} is not a mixture-of-experts model: moe has no points in "
@@ -661,7 +683,7 @@ SPEC = KernelSpec(
     description="mixture-of-experts experts: grouped gate/up + SiLU·mul, then down, weighted",
     dim_names=("dim", "experts", "hidden", "top_k"),
     config_keys=CONFIG_KEYS,
-    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"),
+    pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", *DOWN_KEYS),
     make_inputs=_make_inputs,
     make_outputs=_make_outputs,
     reference=_reference,
@@ -673,12 +695,19 @@ SPEC = KernelSpec(
     dims_from_model=_dims_from_model,
     weight_formats=WEIGHT_FORMATS,
     source_objects=(_experts_kernel, _pair_gemv_kernel, _token_gemv_kernel, _rank_kernel,
-                    _place_kernel, group_pairs, _launch_2d, _launch_per_pair, _launch_unfused,
-                    _experts_upcast, dot, gemv_two_products, k_slice, gemv_weight, fp8_as_f16,
-                    fp8.weight_operand, _unfused._upcast, _unfused._upcast_kernel),
+                    _place_kernel, group_pairs, _launch_2d, _launch_per_pair, _down_tile,
+                    _launch_unfused, _experts_upcast, dot, gemv_two_products, k_slice,
+                    gemv_weight, fp8_as_f16, fp8.weight_operand, _unfused._upcast,
+                    _unfused._upcast_kernel),
     algorithm_sources=(_launch_unfused, _experts_upcast, _unfused._upcast,
                        _unfused._upcast_kernel),
-    flags={"UNFUSED": 0, "HALF_DOWN": 0},
+    structure_sources=(
+        (_runs_per_pair, (_pair_gemv_kernel, _token_gemv_kernel, _launch_per_pair, _down_tile,
+                          gemv_two_products, k_slice, gemv_weight)),
+        (_runs_grouped, (_experts_kernel, _rank_kernel, _place_kernel, group_pairs, dot)),
+    ),
+    flags={"UNFUSED": 0},
+    same_as=DOWN_KEYS,
     algorithm_keys=("UNFUSED",),
     unfused_form="torch._grouped_mm, SiLU·mul, torch._grouped_mm, weighted sum",
     default_rows=SERVER_TOKENS,

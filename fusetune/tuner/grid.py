@@ -269,9 +269,10 @@ def load_grid(store: Store, storage: optuna.storages.BaseStorage, row: PointRow,
                        row.activations)
     gpu = gpus.resolve(row.gpu)
     plan = make_plan(space, spec, point, gpu)
-    # Keyed as today's configs are: a flag the kernel gained after the grid ran (absent from
-    # its stored configs) had its default value there.
-    measured = {config_key({**spec.flags, **r.config}): Measured(r.status, r.time_us, r.compile_s)
+    # Keyed as today's configs are: a flag (or same_as key) the kernel gained after the grid
+    # ran (absent from its stored configs) had its default value there.
+    omitted = spec.omitted_values
+    measured = {config_key({**omitted, **r.config}): Measured(r.status, r.time_us, r.compile_s)
                 for r in store.results(row.id).values()}
     key = PointKey(row.gpu, row.kernel, dims, row.batch, row.seq, row.dtype, row.weight_format,
                    row.backend, row.kernel_hash, row.triton_version, row.torch_version,
@@ -279,5 +280,5 @@ def load_grid(store: Store, storage: optuna.storages.BaseStorage, row: PointRow,
     eval_s, timed = recorded_eval_time(storage, row.study_name)
     return StoredGrid(point, plan, measured, spec.canonical(spec.default_config(point, gpu), point),
                       neighbour_winners(store, key, row.id, same_shape=False,
-                                        flags=spec.flags), eval_s, timed,
+                                        flags=spec.omitted_values), eval_s, timed,
                       f"stored point {row.id}", row.kernel_hash)

@@ -70,9 +70,10 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
     newest first), leaving out the point `point_id` itself. use_tables: the lookup tables'
     entries for key.gpu count as points too. same_shape=False also leaves out winners of key's
     very shape (dims, rows, dtype) stored under another version or in a table: what a replay
-    does, where those may come from the grid itself. `flags` (KernelSpec.flags): a winner stored
-    before the kernel gained a flag ran with the flag's default, and is returned with it (as the
-    tables' validated entries are), so that it is the same config as its twin in a table."""
+    does, where those may come from the grid itself. `flags` (KernelSpec.omitted_values): a
+    winner stored before the kernel gained a flag (or a `same_as` key) ran with its default, and
+    is returned with it (as the tables' validated entries are), so that it is the same config as
+    its twin in a table."""
     rows = max(1, key.batch * key.seq)
     found: list[tuple[float, int, int, Config]] = []
 

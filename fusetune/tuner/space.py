@@ -229,7 +229,8 @@ def config_key(config: Mapping[str, int]) -> str:
     return json.dumps(dict(sorted(config.items())), separators=(",", ":"))
 
 
-def _parse_param(name: str, body: Any, where: str, flag: bool = False) -> Param:
+def _parse_param(name: str, body: Any, where: str, flag: bool = False,
+                 zero: bool = False) -> Param:
     if not isinstance(body, Mapping) or len(body) != 1:
         raise SpaceError(f"{where}: parameter {name!r} must be {{pow2: [lo, hi]}}, "
                          f"{{values: [...]}} or {{range: [lo, hi, step]}}, got {body!r}")
@@ -244,12 +245,14 @@ def _parse_param(name: str, body: Any, where: str, flag: bool = False) -> Param:
         lo, hi = arg[0].bit_length() - 1, arg[1].bit_length() - 1
         return Param(name, "pow2", tuple(1 << e for e in range(lo, hi + 1)))
     if kind == "values":
-        # A flag of the kernel (KernelSpec.flags) takes 0 and 1, any other key positive values.
+        # A flag of the kernel (KernelSpec.flags) takes 0 and 1, a `same_as` key 0 too (the
+        # value of the key it names), any other key positive values.
         ok = isinstance(arg, list) and arg and all(
-            isinstance(v, int) and not isinstance(v, bool) and (v in (0, 1) if flag else v > 0)
-            for v in arg)
+            isinstance(v, int) and not isinstance(v, bool)
+            and (v in (0, 1) if flag else v >= 0 if zero else v > 0) for v in arg)
         if not ok:
-            what = "0 and/or 1" if flag else "positive integers"
+            what = ("0 and/or 1" if flag else "0 or positive integers" if zero
+                    else "positive integers")
             raise SpaceError(f"{where}: {name}: values needs a non-empty list of {what}, got "
                              f"{arg!r}")
         return Param(name, "values", tuple(sorted(set(arg))))
@@ -257,7 +260,7 @@ def _parse_param(name: str, body: Any, where: str, flag: bool = False) -> Param:
         ok = (isinstance(arg, list) and len(arg) in (2, 3)
               and all(isinstance(v, int) and not isinstance(v, bool) for v in arg)
               and (len(arg) == 2 or arg[2] > 0) and arg[0] <= arg[1]
-              and (arg[0] >= 0 if flag else arg[0] > 0))
+              and (arg[0] >= 0 if flag or zero else arg[0] > 0))
         if not ok:
             raise SpaceError(f"{where}: {name}: range needs [lo, hi] or [lo, hi, step], "
                              f"integers with 0 < lo <= hi and step > 0, got {arg!r}")
@@ -308,16 +311,18 @@ def parse_space_data(data: Mapping[str, Any], spec: KernelSpec, source: str) -> 
     if not isinstance(params_raw, Mapping):
         raise SpaceError(f"{source}: 'params' must be a mapping of parameter -> range")
     names = list(params_raw)
-    # A flag may be left out (spaces written before it existed): it keeps its default value.
+    # A flag or a same_as key may be left out (spaces written before it existed): it keeps its
+    # default value.
+    omitted = spec.omitted_values
     left_out = [k for k in spec.config_keys if k not in names]
-    if any(n not in spec.config_keys for n in names) or any(k not in spec.flags
+    if any(n not in spec.config_keys for n in names) or any(k not in omitted
                                                             for k in left_out):
-        optional = (f" (the flags {', '.join(spec.flags)} may be left out: they keep their "
-                    "defaults)" if spec.flags else "")
+        optional = (f" ({', '.join(omitted)} may be left out: they keep their defaults)"
+                    if omitted else "")
         raise SpaceError(f"{source}: params are {', '.join(map(str, names))}; a {spec.name} "
                          f"space has exactly {', '.join(spec.config_keys)}{optional}")
-    params_raw = {**{k: {"values": [spec.flags[k]]} for k in left_out}, **params_raw}
-    params = tuple(_parse_param(n, params_raw[n], source, n in spec.flags)
+    params_raw = {**{k: {"values": [omitted[k]]} for k in left_out}, **params_raw}
+    params = tuple(_parse_param(n, params_raw[n], source, n in spec.flags, n in spec.same_as)
                    for n in spec.config_keys)
     for p in params:
         if p.name in spec.pow2_keys and any(v & (v - 1) for v in p.values):

@@ -9,7 +9,7 @@ import torch
 import fusetune
 from fusetune import gpus
 from fusetune.kernels import moe as moe_mod
-from fusetune.spec import Point
+from fusetune.spec import ConfigError, Point
 from fusetune.tuner.bench import Evaluator
 
 SPEC = moe_mod.SPEC
@@ -19,9 +19,10 @@ CONFIGS = {
     "prefill tile": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4,
                      "num_stages": 3},
     "per pair": {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1},
-    # launch 2's tiles 16 columns wide (72 = 4.5 of them), launch 1's 32 (40 = 1.25)
-    "per pair, half down": {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2,
-                            "num_stages": 1, "HALF_DOWN": 1},
+    # launch 2's own tile: 8 columns wide (72 = 9 of them; launch 1's 32: 40 = 1.25), K-steps
+    # of 16 (40 = 2.5), 4 warps
+    "per pair, own down tile": {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2,
+                                "num_stages": 1, "DOWN_N": 8, "DOWN_K": 16, "DOWN_WARPS": 4},
     "unfused": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2,
                 "UNFUSED": 1},
 }
@@ -42,7 +43,7 @@ def test_configs_pass_the_tuners_check(tokens: int, experts: int, top_k: int,
     assert out.rel_err is not None and out.rel_err <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["decode tile", "per pair", "per pair, half down", "unfused"])
+@pytest.mark.parametrize("name", ["decode tile", "per pair", "per pair, own down tile", "unfused"])
 def test_awkward_routing(name: str) -> None:
     # an expert no token chose, one token routed to every expert of its top-k, repeated
     # experts across tokens, bfloat16
@@ -128,14 +129,21 @@ def test_per_pair_structure_is_for_decode() -> None:
     assert SPEC.resources(per_pair, point(32)).unfit == ""
     assert "BLOCK_M=1" in SPEC.resources(per_pair, point(33)).unfit
     assert SPEC.canonical(per_pair | {"num_stages": 4}, point(1))["num_stages"] == 1
-    # HALF_DOWN means something in the per-pair structure only; there its narrower down
-    # tiles take fewer registers
-    grouped = CONFIGS["decode tile"] | {"HALF_DOWN": 1, "UNFUSED": 0}
-    assert SPEC.canonical(grouped, point(64))["HALF_DOWN"] == 0
-    half = SPEC.validate_config(per_pair | {"HALF_DOWN": 1})
-    assert SPEC.canonical(half, point(1))["HALF_DOWN"] == 1
+    # the down launch's own tile means something in the per-pair structure only; there its
+    # narrower tiles take fewer registers, and launch 1's values written out are the same
+    # config as 0
+    own = {"DOWN_N": 8, "DOWN_K": 64, "DOWN_WARPS": 8}
+    grouped = SPEC.validate_config(CONFIGS["decode tile"] | own)
+    assert all(SPEC.canonical(grouped, point(64))[k] == 0 for k in own)
+    half = SPEC.validate_config(per_pair | {"DOWN_N": 8})
+    assert SPEC.canonical(half, point(1))["DOWN_N"] == 8
     assert (SPEC.resources(half, point(1)).regs_per_thread
             < SPEC.resources(SPEC.validate_config(per_pair), point(1)).regs_per_thread)
+    same = SPEC.validate_config(per_pair | {"DOWN_N": 16, "DOWN_K": 32, "DOWN_WARPS": 2})
+    assert SPEC.canonical(same, point(1)) == SPEC.canonical(SPEC.validate_config(per_pair),
+                                                           point(1))
+    with pytest.raises(ConfigError, match="DOWN_N=12 must be a power of two"):
+        SPEC.validate_config(per_pair | {"DOWN_N": 12})
     h200 = gpus.resolve("h200")
     assert SPEC.default_config(point(16), h200)["BLOCK_M"] == 1
     assert SPEC.default_config(point(17), h200)["BLOCK_M"] == 16
@@ -185,7 +193,7 @@ def test_fp8_weights_pass_the_tuners_check(weights: str) -> None:
         assert out.status == "ok", (config, out.reason)
 
 
-@pytest.mark.parametrize("name", ["decode tile", "per pair", "per pair, half down", "unfused"])
+@pytest.mark.parametrize("name", ["decode tile", "per pair", "per pair, own down tile", "unfused"])
 def test_fp8_weights_through_the_call(name: str) -> None:
     torch.manual_seed(1)
     x = torch.randn(5, 64).bfloat16()
