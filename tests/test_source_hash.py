@@ -78,6 +78,11 @@ def test_an_edit_to_one_structure_keeps_the_others_hash() -> None:
     unfused = moe.validate_config({**base, "BLOCK_M": 16, "UNFUSED": 1})
     hashes = {moe.config_source_hash(c) for c in (per_pair, grouped, unfused)}
     assert len(hashes) == 3 and moe.source_hash not in hashes
+    # an entry is served on its own structure's hash (or the whole source's), not another's
+    assert moe.runs_source(moe.config_source_hash(per_pair), per_pair)
+    assert moe.runs_source(moe.source_hash, per_pair)
+    assert not moe.runs_source(moe.config_source_hash(grouped), per_pair)
+    assert not moe.runs_source(moe.config_source_hash(per_pair), unfused)
     edits = {"per-pair": moe_module._launch_per_pair, "grouped": moe_module.group_pairs,
              "unfused": moe_module._launch_unfused, "shared": moe_module._launch_2d}
     changed = {"per-pair": {0}, "grouped": {1}, "unfused": {2}, "shared": {0, 1, 2}}
