@@ -207,6 +207,13 @@ params:
     with pytest.raises(SpaceError, match="BLOCK_N: values needs a non-empty list of positive"):
         parse_space(text.replace("BLOCK_N: {values: [16]}", "BLOCK_N: {values: [0]}"), moe,
                     "m.yaml")
+    ranged = {p.name: p.values for p in parse_space(
+        text.replace("DOWN_N: {values: [0, 8]}", "DOWN_K: {range: [0, 64, 32]}"), moe,
+        "m.yaml").params}
+    assert ranged["DOWN_K"] == (0, 32, 64) and ranged["DOWN_N"] == (0,)
+    with pytest.raises(SpaceError, match="integers with 0 <= lo <= hi"):
+        parse_space(text.replace("DOWN_N: {values: [0, 8]}", "DOWN_K: {range: [-1, 64]}"), moe,
+                    "m.yaml")
 
 
 def test_a_sampled_plan_answers_as_the_enumerated_one() -> None:

@@ -262,8 +262,9 @@ def _parse_param(name: str, body: Any, where: str, flag: bool = False,
               and (len(arg) == 2 or arg[2] > 0) and arg[0] <= arg[1]
               and (arg[0] >= 0 if flag or zero else arg[0] > 0))
         if not ok:
+            low = "0 <= lo" if flag or zero else "0 < lo"
             raise SpaceError(f"{where}: {name}: range needs [lo, hi] or [lo, hi, step], "
-                             f"integers with 0 < lo <= hi and step > 0, got {arg!r}")
+                             f"integers with {low} <= hi and step > 0, got {arg!r}")
         step = arg[2] if len(arg) == 3 else 1
         return Param(name, "range", tuple(range(arg[0], arg[1] + 1, step)))
     raise SpaceError(f"{where}: {name}: unknown kind {kind!r}; valid: pow2, values, range")
