@@ -338,7 +338,7 @@ def measure(todo: list[Entry], backend: str, device: str, rounds: int, rep_ms: i
 def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) -> None:
     """One entry on its own point; the point's inputs are freed when it returns."""
     from fusetune.kernels import get_spec
-    from fusetune.tuner.bench import Evaluator
+    from fusetune.tuner.bench import Evaluator, round_order
     from fusetune.tuner.space import config_key
 
     spec = get_spec(e.kernel)
@@ -355,6 +355,8 @@ def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) 
     eager = _compile_column(e.kernel, device)
     compiled: Callable[[], Any] | None = None
     if eager is not None and not e.failed:
+        from triton.testing import do_bench
+
         compiled_fn, inputs = _compiled_afresh(eager), dict(ev.inputs)
         # compiles, outside the timing; a column computing something else is no comparison
         err = eager_error(e.kernel, inputs, compiled_fn(inputs))
@@ -375,13 +377,9 @@ def _measure_one(e: Entry, backend: str, device: str, rounds: int, rep_ms: int) 
             once.setdefault(k, name)
         order = list(once.items()) + ([("", "compile")] if compiled is not None else [])
         for r in range(rounds):
-            # each round starts one further on: a timing can depend on what ran just before it
-            # (clocks under the previous load), and so each config (and torch.compile's code)
-            # takes each place
-            for k, name in order[r % len(order):] + order[:r % len(order)]:
+            # each config and torch.compile's code takes each place in the rounds
+            for k, name in round_order(order, r):
                 if compiled is not None and name == "compile":
-                    from triton.testing import do_bench
-
                     e.compile_us.append(do_bench(compiled, rep=rep_ms,
                                                  return_mode="median") * 1e3)
                     continue

@@ -437,8 +437,9 @@ class KernelSpec:
                 f"{', '.join(self.config_keys)}{optional})"
             )
         out: Config = {}
+        omitted = self.omitted_values
         for k in self.config_keys:
-            v = config.get(k, self.omitted_values.get(k))
+            v = config.get(k, omitted.get(k))
             if k in self.same_as and v == 0 and not isinstance(v, bool):
                 out[k] = 0
                 continue

@@ -11,9 +11,9 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -100,6 +100,17 @@ GRAPH_BELOW_US = 150.0
 # L2 flush that do_bench runs before each call (which the GPU spends while the host prepares
 # the launch): beyond it, the timing would include the GPU waiting for the host.
 HOST_SHARE_OF_FLUSH = 0.5
+
+
+T = TypeVar("T")
+
+
+def round_order(items: Sequence[T], r: int) -> list[T]:
+    """The order of interleaved timing round `r`: each round starts one item further on, since
+    a timing can depend on what ran just before it (clocks under the previous load), so that
+    each item takes each place in turn."""
+    start = r % len(items)
+    return [*items[start:], *items[:start]]
 
 
 def floor_us(spec: KernelSpec, point: Point, device: str | torch.device) -> float:

@@ -24,7 +24,7 @@ from fusetune.db.models import WinnerRow
 from fusetune.db.store import PointKey, Store
 from fusetune.gpus import GpuSpec
 from fusetune.spec import Config, Cost, KernelSpec, Point
-from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome
+from fusetune.tuner.bench import DeviceLostError, Evaluator, Outcome, round_order
 from fusetune.tuner.compile_ahead import COMPILED, CompileAhead
 from fusetune.tuner.liveness import ClaimedElsewhere, Heartbeat, is_stale
 from fusetune.tuner.sampling import (
@@ -482,9 +482,7 @@ class PointTuner:
             finalists.append(dict(seen.config))
         times: dict[str, list[float]] = {config_key(c): [] for c in finalists}
         for r in range(self.options.rounds):
-            # each round starts one finalist further on: a timing can depend on what ran just
-            # before it (clocks under the previous load), so each takes each place in turn
-            for c in finalists[r % len(finalists):] + finalists[:r % len(finalists)]:
+            for c in round_order(finalists, r):
                 q = self.evaluator.timing(c)
                 if isinstance(q, Outcome):  # it failed this time: left out, with the reason
                     res.retime_failed[config_key(c)] = f"{q.status}: {q.reason}"
