@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusetune.kernels import _direct
+from fusetune.kernels import _direct, _replay
 
 
 def _body(X, Y, n, eps, FLAG, BLOCK=16):  # a kernel's parameters; never run
@@ -140,6 +141,54 @@ def test_other_arguments_and_observers_take_tritons_path(launcher: Any,
     assert launcher.hits == 1
 
 
+def test_a_tma_descriptor_takes_the_short_path_and_leaves_no_replay(launcher: Any) -> None:
+    # A TensorDescriptor is keyed by all it holds but its base's address, handed on as it is
+    # (the compiled kernel's launcher makes the tensor map of each launch), and marks the call
+    # unrecordable: a replay would launch on the recorded call's tensor.
+    x, base, again = torch.zeros(64), torch.zeros(64, 64), torch.zeros(64, 64)
+
+    def desc(t: torch.Tensor, block: tuple[int, int] = (16, 16)) -> TensorDescriptor:
+        return TensorDescriptor.from_tensor(t, list(block))
+
+    launcher[(1,)](x, desc(base), 32, 1e-5, FLAG=True)  # Triton's path
+    d = desc(again)
+    rec = _replay.Recording()
+    _replay.recordings().append(rec)
+    try:
+        launcher[(1,)](x, d, 32, 1e-5, FLAG=True)
+    finally:
+        _replay.recordings().pop()
+    assert len(launcher.fn.slow) == 1 and launcher.hits == 1
+    assert launcher.fn.kernel.launches[-1][10] is d
+    assert not rec.ok and not rec.launches
+    # another block shape, dtype or shape: another specialization (or possibly one)
+    for other in (desc(again, (32, 16)), desc(again.half()), desc(torch.zeros(32, 64))):
+        launcher[(1,)](x, other, 32, 1e-5, FLAG=True)
+    assert len(launcher.fn.slow) == 4 and launcher.hits == 1
+    # a plain tensor in the same place: its own key, and its launches recordable
+    launcher[(1,)](x, again, 32, 1e-5, FLAG=True)
+    rec = _replay.Recording()
+    _replay.recordings().append(rec)
+    try:
+        launcher[(1,)](x, again, 32, 1e-5, FLAG=True)
+    finally:
+        _replay.recordings().pop()
+    assert rec.ok and len(rec.launches) == 1
+
+
+def test_a_plan_is_not_made_over_a_descriptor() -> None:
+    # Defence behind the direct launch's mark: a recorded launch holding a descriptor makes
+    # no plan (its template would keep the recorded call's address).
+    out = torch.zeros(64, 64)
+    rec = _replay.Recording()
+    rec.devices.add(0)
+    rec.launches.append((None, FakeKernel(), (1, 1, 1),
+                         (out, TensorDescriptor.from_tensor(out, [16, 16]))))
+    assert _replay.Plan.build(rec, [], out) is None
+    rec.launches[0] = (None, FakeKernel(), (1, 1, 1), (out, 3))
+    assert _replay.Plan.build(rec, [], out) is not None
+
+
 def test_not_a_jit_function_is_launched_as_it_is() -> None:
     stand_in = object()
     assert _direct.direct(stand_in) is stand_in
@@ -213,3 +262,35 @@ def test_gpu_repeated_matmul_launches_match_the_first(rows: int,
     for module in (ffn_mod, linear_mod, qkv_mod):
         ((_, plan),) = module._MEMO.values()
         assert (plan is None and rows > 1) or plan.runs == 3
+
+
+@pytest.mark.gpu
+def test_gpu_tma_launches_on_the_short_path_read_each_calls_tensors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config with TMA descriptors (built over each call's tensors) launched again through
+    the short path computes on the new tensors: every call against the same config read by
+    pointers."""
+    import fusetune
+    from fusetune.kernels import ffn as ffn_mod
+
+    genuine_triton_run(monkeypatch)
+    fusetune.tables.reset()
+    tma = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "PASSES": 2,
+           "SPLIT_K": 1, "TMA": 1, "num_warps": 4, "num_stages": 3}
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, device="cuda", generator=g)).to(torch.bfloat16)
+
+    d, hidden = 512, 1024
+    norm = randn(d, scale=0.1) + 1
+    w1, w3 = randn(hidden, d, scale=d**-0.5), randn(hidden, d, scale=d**-0.5)
+    launch = _direct.direct(ffn_mod._ffn_kernel)
+    hits = launch.hits
+    with torch.no_grad():
+        for _ in range(4):
+            x = randn(256, d)  # a new tensor (and address) every call
+            got = fusetune.ffn(x, norm, w1, w3, eps=1e-5, config=tma)
+            want = fusetune.ffn(x, norm, w1, w3, eps=1e-5, config={**tma, "TMA": 0})
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert launch.hits - hits >= 3  # the TMA launches' repeats (and the pointer ones')

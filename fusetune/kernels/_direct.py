@@ -11,14 +11,19 @@ launcher with the current stream, as Triton's own `run` does after its lookup.
 
 The first call of each key goes through Triton's path (which compiles where needed), and so
 does every call where the short path cannot tell what Triton would do: under the interpreter,
-with a pre-run hook, an argument that is not a tensor, number, bool or None (a TMA
-descriptor), or a Triton whose launch call is not the one this module was written against.
+with a pre-run hook, an argument that is not a tensor, number, bool, None or TMA descriptor,
+or a Triton whose launch call is not the one this module was written against. A TMA
+descriptor (`TensorDescriptor`) enters the key with everything it holds but its base's
+address (its base's dtype and 16-byte alignment), more than Triton specializes on, and is
+handed to the compiled kernel's launcher as Triton's own path hands it, which turns it into
+the tensor map at every launch.
 So does every call while something observes Triton's launches by replacing or wrapping
 `JITFunction.run` (the tuner reads each config's registers and spills, and compiles without
 running, that way; `_replay.launches_watched`): it sees every launch.
 
 Each launch is also noted for `_replay`, which repeats a launcher's launches for a call
-signature it has recorded; a launch left to Triton's path leaves the call without a replay.
+signature it has recorded; a launch left to Triton's path, or with a TMA descriptor (made for
+the call's own tensors), leaves the call without a replay.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusetune.kernels._replay import (
     hook_set,
@@ -64,7 +70,8 @@ class DirectLaunch:
         self.names: list[str] = list(getattr(fn, "arg_names", ()))
         self.defaults = {p.name: p.default for p in getattr(fn, "params", ())
                          if getattr(p, "has_default", False)}
-        self.kernels: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}  # kernel, tail
+        # kernel, tail, whether its launches can be replayed (no TMA descriptor among them)
+        self.kernels: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], bool]] = {}
         self._driver = driver
         self._knobs = knobs
         self.hits = 0  # calls that took the short path (for tests)
@@ -96,7 +103,10 @@ class DirectLaunch:
         active = self._driver.active
         device = active.get_current_device()
         key = self._key(args, kwargs, device)
-        entry = self.kernels.get(key) if key is not None else None
+        try:
+            entry = self.kernels.get(key) if key is not None else None
+        except TypeError:  # a value in the key that cannot be hashed: Triton's path
+            key = entry = None
         if entry is None:
             kernel = fn[grid](*args, **kwargs)
             tail = self.names[len(args):]
@@ -108,13 +118,14 @@ class DirectLaunch:
                 self.kernels.clear()
                 self.hits = 0
             # the keyword values are part of the key: the tail is fixed per entry
-            entry = self.kernels[key] = (kernel, tuple(kwargs[n] if n in kwargs
-                                                       else self.defaults[n] for n in tail))
-            note_launch(device, fn, kernel, grid, args + entry[1])
+            entry = self.kernels[key] = (
+                kernel, tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in tail),
+                not any(a.__class__ is TensorDescriptor for a in args))
+            _note(entry[2], device, fn, kernel, grid, args + entry[1])
             return
-        kernel, tail = entry
+        kernel, tail, replayable = entry
         values = args + tail
-        note_launch(device, fn, kernel, grid, values)
+        _note(replayable, device, fn, kernel, grid, values)
         stream = active.get_current_stream(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
@@ -129,8 +140,25 @@ class DirectLaunch:
         self.hits += 1
 
 
+def _note(replayable: bool, device: int, fn: Any, kernel: Any, grid: tuple[int, ...],
+          values: tuple[Any, ...]) -> None:
+    if replayable:
+        note_launch(device, fn, kernel, grid, values)
+    else:  # a descriptor holds this call's address: a replay would launch on the old tensor
+        note_unrecordable()
+
+
 def _tensor_key(a: torch.Tensor) -> tuple[Any, bool]:
     return a.dtype, a.data_ptr() % 16 == 0
+
+
+def _descriptor_key(d: TensorDescriptor) -> tuple[Any, ...]:
+    # every field (shape, strides, block shape, padding, ...), lists as tuples, the base
+    # tensor by its dtype and alignment
+    return (TensorDescriptor, *(
+        (name, _tensor_key(v) if isinstance(v, torch.Tensor)
+         else tuple(v) if isinstance(v, list) else v)
+        for name, v in sorted(vars(d).items())))
 
 
 def _int_key(a: int) -> Any:
@@ -141,6 +169,7 @@ def _int_key(a: int) -> Any:
 _KINDS: dict[type, Any] = {
     torch.Tensor: _tensor_key, torch.nn.Parameter: _tensor_key, int: _int_key,
     bool: lambda a: bool, float: lambda a: float, type(None): lambda a: None,
+    TensorDescriptor: _descriptor_key,
 }
 
 _launchers: dict[int, DirectLaunch] = {}

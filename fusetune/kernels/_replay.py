@@ -194,6 +194,8 @@ class Plan:
             slots = []
             for pos, v in enumerate(values):
                 if not isinstance(v, torch.Tensor):
+                    if hasattr(v, "base") and isinstance(v.base, torch.Tensor):
+                        return None  # a TMA descriptor of this call's tensor (_direct)
                     continue
                 ptr = v.data_ptr()
                 owners = [r for r in regions if r[0] <= ptr < r[1]]
