@@ -150,14 +150,19 @@ def test_a_tma_descriptor_takes_the_short_path_and_leaves_no_replay(launcher: An
     def desc(t: torch.Tensor, block: tuple[int, int] = (16, 16)) -> TensorDescriptor:
         return TensorDescriptor.from_tensor(t, list(block))
 
+    def recorded(y: Any) -> _replay.Recording:
+        """The launch with y in Y's place inside an open recording, which is returned."""
+        rec = _replay.Recording()
+        _replay.recordings().append(rec)
+        try:
+            launcher[(1,)](x, y, 32, 1e-5, FLAG=True)
+        finally:
+            _replay.recordings().pop()
+        return rec
+
     launcher[(1,)](x, desc(base), 32, 1e-5, FLAG=True)  # Triton's path
     d = desc(again)
-    rec = _replay.Recording()
-    _replay.recordings().append(rec)
-    try:
-        launcher[(1,)](x, d, 32, 1e-5, FLAG=True)
-    finally:
-        _replay.recordings().pop()
+    rec = recorded(d)
     assert len(launcher.fn.slow) == 1 and launcher.hits == 1
     assert launcher.fn.kernel.launches[-1][10] is d
     assert not rec.ok and not rec.launches
@@ -167,12 +172,7 @@ def test_a_tma_descriptor_takes_the_short_path_and_leaves_no_replay(launcher: An
     assert len(launcher.fn.slow) == 4 and launcher.hits == 1
     # a plain tensor in the same place: its own key, and its launches recordable
     launcher[(1,)](x, again, 32, 1e-5, FLAG=True)
-    rec = _replay.Recording()
-    _replay.recordings().append(rec)
-    try:
-        launcher[(1,)](x, again, 32, 1e-5, FLAG=True)
-    finally:
-        _replay.recordings().pop()
+    rec = recorded(again)
     assert rec.ok and len(rec.launches) == 1
 
 
