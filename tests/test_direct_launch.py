@@ -141,52 +141,65 @@ def test_other_arguments_and_observers_take_tritons_path(launcher: Any,
     assert launcher.hits == 1
 
 
-def test_a_tma_descriptor_takes_the_short_path_and_leaves_no_replay(launcher: Any) -> None:
-    # A TensorDescriptor is keyed by all it holds but its base's address, handed on as it is
-    # (the compiled kernel's launcher makes the tensor map of each launch), and marks the call
-    # unrecordable: a replay would launch on the recorded call's tensor.
+def test_a_tma_descriptor_takes_the_short_path(launcher: Any) -> None:
+    # A TensorDescriptor is keyed by all it holds but its base's address, and handed on as it
+    # is (the compiled kernel's launcher makes the tensor map of each launch); the launch is
+    # noted for a replay like any other (which remakes the descriptor, test below).
     x, base, again = torch.zeros(64), torch.zeros(64, 64), torch.zeros(64, 64)
 
     def desc(t: torch.Tensor, block: tuple[int, int] = (16, 16)) -> TensorDescriptor:
         return TensorDescriptor.from_tensor(t, list(block))
 
-    def recorded(y: Any) -> _replay.Recording:
-        """The launch with y in Y's place inside an open recording, which is returned."""
-        rec = _replay.Recording()
-        _replay.recordings().append(rec)
-        try:
-            launcher[(1,)](x, y, 32, 1e-5, FLAG=True)
-        finally:
-            _replay.recordings().pop()
-        return rec
-
     launcher[(1,)](x, desc(base), 32, 1e-5, FLAG=True)  # Triton's path
     d = desc(again)
-    rec = recorded(d)
+    rec = _replay.Recording()
+    _replay.recordings().append(rec)
+    try:
+        launcher[(1,)](x, d, 32, 1e-5, FLAG=True)
+    finally:
+        _replay.recordings().pop()
     assert len(launcher.fn.slow) == 1 and launcher.hits == 1
     assert launcher.fn.kernel.launches[-1][10] is d
-    assert not rec.ok and not rec.launches
+    assert rec.ok and rec.launches[0][3][1] is d
     # another block shape, dtype or shape: another specialization (or possibly one)
     for other in (desc(again, (32, 16)), desc(again.half()), desc(torch.zeros(32, 64))):
         launcher[(1,)](x, other, 32, 1e-5, FLAG=True)
     assert len(launcher.fn.slow) == 4 and launcher.hits == 1
-    # a plain tensor in the same place: its own key, and its launches recordable
-    launcher[(1,)](x, again, 32, 1e-5, FLAG=True)
-    rec = recorded(again)
-    assert rec.ok and len(rec.launches) == 1
 
 
-def test_a_plan_is_not_made_over_a_descriptor() -> None:
-    # Defence behind the direct launch's mark: a recorded launch holding a descriptor makes
-    # no plan (its template would keep the recorded call's address).
-    out = torch.zeros(64, 64)
+def _descriptor_plan(x: torch.Tensor, over: torch.Tensor) -> Any:
+    """The plan of a recorded call on input x with one launch of (out, a descriptor `over`, 3)."""
+    out = torch.empty(64, 64)
     rec = _replay.Recording()
     rec.devices.add(0)
-    rec.launches.append((None, FakeKernel(), (1, 1, 1),
-                         (out, TensorDescriptor.from_tensor(out, [16, 16]))))
-    assert _replay.Plan.build(rec, [], out) is None
-    rec.launches[0] = (None, FakeKernel(), (1, 1, 1), (out, 3))
-    assert _replay.Plan.build(rec, [], out) is not None
+    fn = SimpleNamespace(pre_run_hooks=[])  # the @triton.jit function launched
+    rec.launches.append((fn, FakeKernel(), (1, 1, 1),
+                         (out, TensorDescriptor.from_tensor(over, [16, 32]), 3)))
+    return _replay.Plan.build(rec, [x], out)
+
+
+def test_a_replay_remakes_each_descriptor_over_the_new_tensor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton import knobs
+
+    monkeypatch.setattr(_replay, "_parts", (knobs.runtime, SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: "stream"), JITFunction))
+    if _replay.hook_set(knobs.runtime.launch_enter_hook):
+        pytest.skip("a launch hook is set in this process")
+    x = torch.zeros(4, 64, 64)
+    plan = _descriptor_plan(x, x.view(256, 64))  # a 2-D view of the whole input
+    assert plan is not None
+    new = torch.ones(4, 64, 64)
+    (kernel, *_), = plan.launches
+    out = plan.run([new])
+    *_, out_ptr, d, three = kernel.launches[-1]
+    assert out_ptr == out.data_ptr() and three == 3
+    assert d.base is new and d.base.data_ptr() != x.data_ptr()
+    assert (list(d.shape), list(d.strides), list(d.block_shape)) == ([256, 64], [64, 1],
+                                                                       [16, 32])
+    # a descriptor over part of a tensor, or over it read as another type: no plan
+    assert _descriptor_plan(x, x.view(256, 64)[16:]) is None
+    assert _descriptor_plan(x, x.view(torch.int32).view(256, 64)) is None
 
 
 def test_not_a_jit_function_is_launched_as_it_is() -> None:
@@ -257,8 +270,8 @@ def test_gpu_repeated_matmul_launches_match_the_first(rows: int,
         for _ in range(3):
             for a, b in zip(calls(), first, strict=True):
                 assert torch.equal(a, b)
-    # The repeated calls replayed their first call's launches (fusetune.kernels._replay);
-    # a config with TMA descriptors (prefill rows) has no replay and took the full path.
+    # The repeated calls replayed their first call's launches (fusetune.kernels._replay; TMA
+    # descriptors remade over the new tensors), or where a call has no plan took the full path.
     for module in (ffn_mod, linear_mod, qkv_mod):
         ((_, plan),) = module._MEMO.values()
         assert (plan is None and rows > 1) or plan.runs == 3
@@ -267,8 +280,8 @@ def test_gpu_repeated_matmul_launches_match_the_first(rows: int,
 @pytest.mark.gpu
 def test_gpu_tma_launches_on_the_short_path_read_each_calls_tensors(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A config with TMA descriptors (built over each call's tensors) launched again through
-    the short path computes on the new tensors: every call against the same config read by
+    """A config with TMA descriptors, repeated (a replay remaking the descriptors over each
+    call's tensors), computes on the new tensors: every call against the same config read by
     pointers."""
     import fusetune
     from fusetune.kernels import ffn as ffn_mod
@@ -285,12 +298,14 @@ def test_gpu_tma_launches_on_the_short_path_read_each_calls_tensors(
     d, hidden = 512, 1024
     norm = randn(d, scale=0.1) + 1
     w1, w3 = randn(hidden, d, scale=d**-0.5), randn(hidden, d, scale=d**-0.5)
-    launch = _direct.direct(ffn_mod._ffn_kernel)
-    hits = launch.hits
     with torch.no_grad():
         for _ in range(4):
             x = randn(256, d)  # a new tensor (and address) every call
             got = fusetune.ffn(x, norm, w1, w3, eps=1e-5, config=tma)
             want = fusetune.ffn(x, norm, w1, w3, eps=1e-5, config={**tma, "TMA": 0})
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-    assert launch.hits - hits >= 3  # the TMA launches' repeats (and the pointer ones')
+    # both configs' repeats replayed their first call, the TMA one with descriptors
+    plans = [plan for _, plan in ffn_mod._MEMO.values()]
+    assert len(plans) == 2 and all(p is not None and p.runs == 3 for p in plans)
+    assert any(fields is not None for p in plans for *_, slots in p.launches
+               for *_, fields in slots)

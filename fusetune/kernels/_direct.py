@@ -22,8 +22,8 @@ So does every call while something observes Triton's launches by replacing or wr
 running, that way; `_replay.launches_watched`): it sees every launch.
 
 Each launch is also noted for `_replay`, which repeats a launcher's launches for a call
-signature it has recorded; a launch left to Triton's path, or with a TMA descriptor (made for
-the call's own tensors), leaves the call without a replay.
+signature it has recorded (a TMA descriptor remade over the new call's tensor); a launch left
+to Triton's path leaves the call without a replay.
 """
 
 from __future__ import annotations
@@ -70,8 +70,7 @@ class DirectLaunch:
         self.names: list[str] = list(getattr(fn, "arg_names", ()))
         self.defaults = {p.name: p.default for p in getattr(fn, "params", ())
                          if getattr(p, "has_default", False)}
-        # kernel, tail, whether its launches can be replayed (no TMA descriptor among them)
-        self.kernels: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], bool]] = {}
+        self.kernels: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}  # kernel, tail
         self._driver = driver
         self._knobs = knobs
         self.hits = 0  # calls that took the short path (for tests)
@@ -118,14 +117,13 @@ class DirectLaunch:
                 self.kernels.clear()
                 self.hits = 0
             # the keyword values are part of the key: the tail is fixed per entry
-            entry = self.kernels[key] = (
-                kernel, tuple(kwargs[n] if n in kwargs else self.defaults[n] for n in tail),
-                not any(a.__class__ is TensorDescriptor for a in args))
-            _note(entry[2], device, fn, kernel, grid, args + entry[1])
+            entry = self.kernels[key] = (kernel, tuple(kwargs[n] if n in kwargs
+                                                       else self.defaults[n] for n in tail))
+            note_launch(device, fn, kernel, grid, args + entry[1])
             return
-        kernel, tail, replayable = entry
+        kernel, tail = entry
         values = args + tail
-        _note(replayable, device, fn, kernel, grid, values)
+        note_launch(device, fn, kernel, grid, values)
         stream = active.get_current_stream(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
@@ -138,14 +136,6 @@ class DirectLaunch:
             kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None,
                        None, None, *values)
         self.hits += 1
-
-
-def _note(replayable: bool, device: int, fn: Any, kernel: Any, grid: tuple[int, ...],
-          values: tuple[Any, ...]) -> None:
-    if replayable:
-        note_launch(device, fn, kernel, grid, values)
-    else:  # a descriptor holds this call's address: a replay would launch on the old tensor
-        note_unrecordable()
 
 
 def _tensor_key(a: torch.Tensor) -> tuple[Any, bool]:

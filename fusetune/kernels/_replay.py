@@ -13,8 +13,10 @@ with the new tensors' addresses, nothing else.
 
 A plan is made only where the replay is sure to do what the full path does:
 - every launch of the call went through `direct`'s own launch (none through Triton's path
-  alone: a TMA descriptor argument, an observed or unsupported Triton);
-- every tensor argument lies in exactly one input, output or scratch buffer. A tensor the
+  alone: an observed or unsupported Triton);
+- every tensor argument lies in exactly one input, output or scratch buffer, and every TMA
+  descriptor's base is one of them whole (the replay makes the same descriptor over the new
+  tensor: a TMA launch's tensor map is made from the descriptor at every launch). A tensor the
   call makes with content (a contiguous copy, a bias of zeros) is none of these, and a call
   whose inputs overlap (x passed as the residual too) cannot tell them apart: no plan;
 - outputs are fresh dense tensors the replay can allocate the same way, each written by a
@@ -35,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 T = TypeVar("T")
 
@@ -141,6 +144,13 @@ def _extent(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
+def _tensor(source: int, i: int, inputs: Sequence[torch.Tensor | None],
+            outputs: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor]) -> torch.Tensor:
+    t = (inputs, outputs, scratch)[source][i]
+    assert t is not None  # a region is made of a tensor only
+    return t
+
+
 def _fresh(t: torch.Tensor) -> bool:
     """Whether t is all of a storage of its own, densely laid out (what empty_strided makes)."""
     return (t.storage_offset() == 0 and t.numel() > 0
@@ -166,7 +176,8 @@ class Plan:
         # (use, offset, whether 16-byte aligned) of each address: Triton specializes on it
         self.alignment = alignment
         self.fns = fns  # the @triton.jit functions launched (their pre-run hooks)
-        # (kernel, grid, argument values (None at the tensors), (position, use, offset) slots)
+        # (kernel, grid, argument values (None at the tensors), (position, use, offset,
+        # descriptor fields or None) slots)
         self.launches = launches
         self.runs = 0  # replays (for tests)
 
@@ -193,20 +204,28 @@ class Plan:
         for _, kernel, grid, values in rec.launches:
             slots = []
             for pos, v in enumerate(values):
-                if not isinstance(v, torch.Tensor):
-                    if hasattr(v, "base") and isinstance(v.base, torch.Tensor):
-                        return None  # a TMA descriptor of this call's tensor (_direct)
+                fields = None
+                if v.__class__ is TensorDescriptor:
+                    fields = {k: f for k, f in vars(v).items() if k != "base"}
+                    v = v.base
+                elif not isinstance(v, torch.Tensor):
+                    if isinstance(getattr(v, "base", None), torch.Tensor):
+                        return None  # a descriptor of another kind over this call's tensor
                     continue
                 ptr = v.data_ptr()
                 owners = [r for r in regions if r[0] <= ptr < r[1]]
                 if len(owners) != 1:
                     return None  # made in the call with content, or inputs that overlap
                 start, _, source, i = owners[0]
+                if fields is not None and (ptr != start or v.dtype != _tensor(
+                        source, i, inputs, outputs, rec.scratch).dtype):
+                    return None  # a descriptor over part of a tensor, or another type of it
                 use = uses.setdefault((source, i), len(uses))
-                slots.append((pos, use, ptr - start))
+                slots.append((pos, use, ptr - start, fields))
                 alignment.add((use, ptr - start, ptr % 16 == 0))
             # the template keeps no tensor of this call alive
-            template = [None if isinstance(v, torch.Tensor) else v for v in values]
+            template = [None if isinstance(v, (torch.Tensor, TensorDescriptor)) else v
+                        for v in values]
             launches.append((kernel, grid, template, tuple(slots)))
         if any((_OUTPUT, i) not in uses for i in range(len(outputs))):
             return None  # an output no launch writes: the full path fills it otherwise
@@ -231,15 +250,17 @@ class Plan:
         scratch = [torch.empty(shape, dtype=dtype, device=device)
                    for shape, dtype, device in self.scratch]
         sources = (inputs, outputs, scratch)
-        ptrs = [sources[source][i].data_ptr() for source, i in self.uses]
+        tensors = [sources[source][i] for source, i in self.uses]
+        ptrs = [t.data_ptr() for t in tensors]
         for use, offset, aligned in self.alignment:
             if ((ptrs[use] + offset) % 16 == 0) != aligned:
                 return None  # Triton would take another compiled kernel (and TMA another path)
         stream = active.get_current_stream(self.device)
         for kernel, (g0, g1, g2), template, slots in self.launches:
             values = template.copy()
-            for pos, use, offset in slots:
-                values[pos] = ptrs[use] + offset
+            for pos, use, offset, fields in slots:
+                values[pos] = (ptrs[use] + offset if fields is None
+                               else TensorDescriptor(tensors[use], **fields))
             kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None,
                        None, *values)
         self.runs += 1
