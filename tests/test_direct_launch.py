@@ -182,6 +182,7 @@ def test_a_replay_remakes_each_descriptor_over_the_new_tensor(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from triton import knobs
 
+    genuine_triton_run(monkeypatch)  # a wrapped JITFunction.run would make the replay decline
     monkeypatch.setattr(_replay, "_parts", (knobs.runtime, SimpleNamespace(
         get_current_device=lambda: 0, get_current_stream=lambda device: "stream"), JITFunction))
     if _replay.hook_set(knobs.runtime.launch_enter_hook):
@@ -192,6 +193,7 @@ def test_a_replay_remakes_each_descriptor_over_the_new_tensor(
     new = torch.ones(4, 64, 64)
     (kernel, *_), = plan.launches
     out = plan.run([new])
+    assert out is not None
     *_, out_ptr, d, three = kernel.launches[-1]
     assert out_ptr == out.data_ptr() and three == 3
     assert d.base is new and d.base.data_ptr() != x.data_ptr()
