@@ -4,11 +4,13 @@ arguments in the kernel's order, and only where Triton would pick the same compi
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+import yaml
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -281,33 +283,42 @@ def test_gpu_repeated_matmul_launches_match_the_first(rows: int,
 
 @pytest.mark.gpu
 def test_gpu_tma_launches_on_the_short_path_read_each_calls_tensors(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A config with TMA descriptors, repeated (a replay remaking the descriptors over each
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A TMA config served from a table, repeated (a replay remaking the descriptors over each
     call's tensors), computes on the new tensors: every call against the same config read by
-    pointers."""
+    pointers. (Only a looked-up config is memoized: one handed in is checked every call.)"""
     import fusetune
+    from fusetune.gpus import current_gpu
     from fusetune.kernels import ffn as ffn_mod
 
     genuine_triton_run(monkeypatch)
-    fusetune.tables.reset()
+    monkeypatch.delenv(fusetune.tables.ENV_VAR, raising=False)
     tma = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4, "PASSES": 2,
            "SPLIT_K": 1, "TMA": 1, "num_warps": 4, "num_stages": 3}
+    d, hidden, rows = 512, 1024, 256
+    table = tmp_path / "tma.yaml"
+    table.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {}, "gpus": {
+        current_gpu().name: {"ffn": [{"dims": {"dim": d, "hidden": hidden},
+                                      "dtype": "bfloat16", "batch": rows, "seq": 1,
+                                      "config": tma}]}}}))
+    fusetune.load_tables(table)
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (scale * torch.randn(*shape, device="cuda", generator=g)).to(torch.bfloat16)
 
-    d, hidden = 512, 1024
     norm = randn(d, scale=0.1) + 1
     w1, w3 = randn(hidden, d, scale=d**-0.5), randn(hidden, d, scale=d**-0.5)
-    with torch.no_grad():
-        for _ in range(4):
-            x = randn(256, d)  # a new tensor (and address) every call
-            got = fusetune.ffn(x, norm, w1, w3, eps=1e-5, config=tma)
-            want = fusetune.ffn(x, norm, w1, w3, eps=1e-5, config={**tma, "TMA": 0})
-            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-    # both configs' repeats replayed their first call, the TMA one with descriptors
-    plans = [plan for _, plan in ffn_mod._MEMO.values()]
-    assert len(plans) == 2 and all(p is not None and p.runs == 3 for p in plans)
-    assert any(fields is not None for p in plans for *_, slots in p.launches
-               for *_, fields in slots)
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                x = randn(rows, d)  # a new tensor (and address) every call
+                got = fusetune.ffn(x, norm, w1, w3, eps=1e-5)
+                want = fusetune.ffn(x, norm, w1, w3, eps=1e-5, config={**tma, "TMA": 0})
+                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        # the table's config was served, its repeats replayed the first call with descriptors
+        ((config, plan),) = ffn_mod._MEMO.values()
+        assert config["TMA"] == 1 and plan is not None and plan.runs == 3
+        assert any(fields is not None for *_, slots in plan.launches for *_, fields in slots)
+    finally:
+        fusetune.tables.reset()
