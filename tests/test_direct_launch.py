@@ -3,7 +3,6 @@ arguments in the kernel's order, and only where Triton would pick the same compi
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 import yaml
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
+from triton_run import genuine_triton_run
 
 from fusetune.kernels import _direct, _replay
 
@@ -43,15 +43,6 @@ class FakeJit(JITFunction):
     def run(self, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
         self.slow.append((grid, args, kwargs))
         return self.kernel
-
-
-def genuine_triton_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton's own JITFunction.run for the test: tests/fake_jit.py, imported wherever the
-    suite collects a test that uses it, wraps it for the whole process, and a wrapped run sends
-    every launch down Triton's path."""
-    fake_jit = sys.modules.get("fake_jit")
-    if fake_jit is not None:
-        monkeypatch.setattr(JITFunction, "run", fake_jit.TRITON_RUN)
 
 
 @pytest.fixture

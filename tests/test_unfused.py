@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from triton_run import genuine_triton_run
 
 import fusetune
 from fusetune import gpus
@@ -151,12 +152,20 @@ def test_stacked_parts_of_other_sizes_and_the_upcast() -> None:
 
 
 @pytest.mark.gpu
-def test_upcast_rounds_once_on_the_gpu() -> None:
+def test_upcast_rounds_once_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    genuine_triton_run(monkeypatch)  # a wrapped JITFunction.run sends launches down Triton's path
     for fmt in ("e4m3", "e5m2"):
         wq, scale = fusetune.quantize_fp8(torch.randn(300, 5000, device="cuda"), fmt)
         for dtype in (torch.bfloat16, torch.float16):
             want = (wq.float() * scale[:, None]).to(dtype)
             assert torch.equal(_unfused._upcast(wq, scale, dtype), want)
+    # repeated upcasts take the short launch path (_direct), not Triton's argument binding
+    from fusetune.kernels._direct import direct
+
+    launcher = direct(_unfused._upcast_kernel)
+    hits = launcher.hits
+    _unfused._upcast(wq, scale, torch.bfloat16)
+    assert launcher.hits == hits + 1
 
 
 @pytest.mark.parametrize("stack", [False, True], ids=["separate", "stacked"])
