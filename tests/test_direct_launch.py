@@ -197,6 +197,90 @@ def test_a_replay_remakes_each_descriptor_over_the_new_tensor(
     assert _descriptor_plan(x, x.view(torch.int32).view(256, 64)) is None
 
 
+def _replay_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan.run's Triton parts for a machine without a GPU (device 0 current)."""
+    from triton import knobs
+
+    genuine_triton_run(monkeypatch)
+    monkeypatch.setattr(_replay, "_parts", (knobs.runtime, SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: "stream"), JITFunction))
+    if _replay.hook_set(knobs.runtime.launch_enter_hook):
+        pytest.skip("a launch hook is set in this process")
+
+
+def _torch_plan(calls: Any, inputs: list[torch.Tensor], result: torch.Tensor,
+                stacks: tuple[tuple[torch.Tensor, ...], ...] = (),
+                scratch: tuple[torch.Tensor, ...] = ()) -> Any:
+    """The plan of a recorded call whose launches are the torch calls `calls` ((fn, arguments
+    with out last) each), as torch_call notes them for a CUDA tensor."""
+    rec = _replay.Recording()
+    rec.devices.add(0)
+    rec.launches = [(fn, None, None, values) for fn, values in calls]
+    rec.stacks, rec.scratch = list(stacks), list(scratch)
+    return _replay.Plan.build(rec, inputs, result)
+
+
+def test_a_replay_repeats_torch_calls_on_views_of_the_new_tensors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An FP8-style chunked GEMM: each chunk of w's rows into a workspace (scratch), then
+    # addmm of the residual's columns into the output's columns.
+    _replay_anywhere(monkeypatch)
+    x, w, r = torch.randn(3, 8), torch.randn(10, 8), torch.randn(3, 10)
+    out, ws = torch.empty(3, 10), torch.empty(6, 8)
+    calls = [(torch.mul, (w[:6], 2.0, ws)), (torch.addmm, (r[:, :6], x, ws.t(), out[:, :6])),
+             (torch.mul, (w[6:], 2.0, ws[:4])),
+             (torch.addmm, (r[:, 6:], x, ws[:4].t(), out[:, 6:]))]
+    for fn, (*args, o) in calls:
+        fn(*args, out=o)
+    plan = _torch_plan(calls, [x, w, r], out, scratch=(ws,))
+    assert plan is not None
+    for _ in range(2):
+        new = [torch.randn(3, 8), torch.randn(10, 8), torch.randn(3, 10)]
+        got = plan.run(new)
+        torch.testing.assert_close(got, new[0] @ (2 * new[1]).T + new[2])
+        assert got.data_ptr() not in (t.data_ptr() for t in new)
+    assert plan.runs == 2
+    # an argument made in the call with content (not an input, output or scratch): no plan
+    made = r + 1
+    assert _torch_plan([(torch.addmm, (made, x, w.t(), out))], [x, w, r], out) is None
+    # an argument of another dtype than the tensor it lies in: no plan
+    assert _torch_plan([(torch.mm, (x, w.view(torch.int32).t(), out))], [x, w], out) is None
+
+
+def test_a_replay_of_a_stacked_operand_checks_the_new_inputs_are_a_stack(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _replay_anywhere(monkeypatch)
+
+    def parts() -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.randn(10, 8)
+        return both[:4], both[4:]
+
+    x, (w1, w3) = torch.randn(3, 8), parts()
+    both = torch.as_strided(w1, (10, 8), (8, 1))  # as _unfused.stacked makes it
+    out = torch.empty(3, 10)
+    calls = [(torch.mm, (x, both.t(), out))]
+    torch.mm(x, both.t(), out=out)
+    # without the stack noted, a view past the input it starts in makes no plan
+    assert _torch_plan(calls, [x, w1, w3], out) is None
+    plan = _torch_plan(calls, [x, w1, w3], out, stacks=((w1, w3),))
+    assert plan is not None and plan.stacks == [(1, 2)]
+    x2, (a, b) = torch.randn(3, 8), parts()
+    torch.testing.assert_close(plan.run([x2, a, b]), x2 @ torch.cat([a, b]).T)
+    # the same shapes, not one stack (or in another order): the replay declines
+    assert plan.run([x2, torch.randn(4, 8), torch.randn(6, 8)]) is None
+    c = torch.randn(10, 8)
+    assert plan.run([x2, c[6:], c[:6]]) is None
+    assert plan.runs == 1
+
+
+def test_a_torch_call_of_a_cpu_tensor_makes_no_plan() -> None:
+    x, w = torch.randn(2, 4), torch.randn(3, 4)
+    out, plan = _replay.record(
+        lambda: _replay.torch_call(torch.mm, (x, w.t()), torch.empty(2, 3)), [x, w])
+    torch.testing.assert_close(out, x @ w.T)
+    assert plan is None
+
+
 def test_not_a_jit_function_is_launched_as_it_is() -> None:
     stand_in = object()
     assert _direct.direct(stand_in) is stand_in

@@ -5,6 +5,7 @@ table names them, refused where the kernel or the mode has none."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -221,3 +222,90 @@ def test_a_table_naming_the_unfused_moe_is_served_as_one(
     assert ran == [1]
     torch.testing.assert_close(got, moe._reference(inputs)["out"], rtol=1e-4, atol=1e-4)
     assert fusetune.resolve("moe", point.dim, "float32", rows=5).config["UNFUSED"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["", "fp8-e4m3"])
+def test_gpu_unfused_calls_replay_their_cublas_calls(weights: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Served from a table, the unfused forms' repeated calls replay their first call (the
+    cuBLAS calls through _replay.torch_call beside the norm, upcast, SiLU·mul and RoPE
+    launches), each on its own new tensors: equal to the full path (a config handed in is
+    checked every call). Weights of the same shapes that are no longer one stack make the
+    replay decline, and the call takes the full path."""
+    from fusetune.gpus import current_gpu
+    from fusetune.kernels.rope import rotary_tables
+
+    genuine_triton_run(monkeypatch)
+    monkeypatch.delenv(fusetune.tables.ENV_VAR, raising=False)
+    d, hidden, hd, rows = 512, 1024, 64, 64
+    dims = {"ffn": {"dim": d, "hidden": hidden},
+            "linear": {"bias": 0, "dim": hidden, "out": d, "residual": 1},
+            "qkv": {"dim": d, "head_dim": hd, "interleaved": 0, "n_heads": d // hd,
+                    "n_kv_heads": d // hd // 4}}
+    configs = {k: _unfused_config(SPECS[k], Point.make(k, v, rows, 1, "bfloat16", weights))
+               for k, v in dims.items()}
+    table = tmp_path / "unfused.yaml"
+    table.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {}, "gpus": {
+        current_gpu().name: {k: [{"dims": dims[k], "dtype": "bfloat16", "batch": rows,
+                                  "seq": 1, "config": configs[k],
+                                  **({"weights": weights} if weights else {})}]
+                             for k in dims}}}))
+    fusetune.load_tables(table)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, device="cuda", generator=g)).to(torch.bfloat16)
+
+    def weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return fusetune.quantize_fp8(w) if weights else (w, None)
+
+    def split(w: torch.Tensor, *sizes: int) -> tuple[list[torch.Tensor], list[Any]]:
+        """Views of one stacked (and for FP8, quantized) weight, with their scales."""
+        q, s = weight(w)
+        return list(q.split(sizes)), [None] * len(sizes) if s is None else list(s.split(sizes))
+
+    norm = randn(d, scale=0.1) + 1
+    (w1, w3), (s1, s3) = split(randn(2 * hidden, d, scale=d**-0.5), hidden, hidden)
+    wd, sd = weight(randn(d, hidden, scale=hidden**-0.5))
+    kv = d // 4
+    (wq, wk, wv), (sq, sk, sv) = split(randn(d + 2 * kv, d, scale=d**-0.5), d, kv, kv)
+    cos, sin = rotary_tables(torch.arange(rows, device="cuda")[None], hd, theta=1e4,
+                             dtype=torch.bfloat16)
+
+    def calls(x: torch.Tensor, r: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+              config: Any = None) -> list[torch.Tensor]:
+        cf = None if config is None else configs["ffn"]
+        h = fusetune.ffn(x, norm, w1, w3, eps=1e-5, w1_scale=s1, w3_scale=s3, config=cf)
+        cl = None if config is None else configs["linear"]
+        cq = None if config is None else configs["qkv"]
+        return [h, fusetune.linear(h, wd, residual=r, weight_scale=sd, config=cl),
+                *fusetune.qkv(x, norm, wq, wk, wv, cos, sin, eps=1e-5, head_dim=hd,
+                              interleaved=False, wq_scale=sq, wk_scale=sk, wv_scale=sv,
+                              config=cq)]
+
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                x, r = randn(1, rows, d), randn(1, rows, d)  # new tensors every call
+                for got, want in zip(calls(x, r, w1, w3), calls(x, r, w1, w3, "full"),
+                                     strict=True):
+                    assert torch.equal(got, want)
+            plans = {m.__name__: m._MEMO.copy() for m in (ffn, linear, qkv)}
+            for name, memo in plans.items():
+                ((config, plan),) = memo.values()
+                assert config["UNFUSED"] == 1, name
+                assert plan is not None and plan.runs == 3, name
+                assert any(grid is None for _, grid, _, _ in plan.launches), name  # cuBLAS
+            ffn_plan = next(iter(plans["fusetune.kernels.ffn"].values()))[1]
+            assert (2, 3) in ffn_plan.stacks  # W1 and W3 (the memo's inputs 2 and 3)
+            # W1 and W3 of the same shapes, no longer one stack: the full path, still right
+            apart1, apart3 = w1.clone(), w3.clone()
+            x = randn(1, rows, d)
+            got = fusetune.ffn(x, norm, apart1, apart3, eps=1e-5, w1_scale=s1, w3_scale=s3)
+            assert ffn_plan.runs == 3
+            want = fusetune.ffn(x, norm, w1, w3, eps=1e-5, w1_scale=s1, w3_scale=s3,
+                                config=configs["ffn"])
+            assert torch.equal(got, want)
+    finally:
+        fusetune.tables.reset()

@@ -11,10 +11,18 @@ the call's inputs, its outputs, or a `scratch` buffer. A later call of the same 
 runs `Plan.run`: new outputs and scratch buffers, then the same compiled kernels launched
 with the new tensors' addresses, nothing else.
 
+A launcher's torch call that launches kernels of its own (cuBLAS's GEMMs in the unfused form,
+_unfused) goes through `torch_call`, which notes the function and its tensor arguments (each a
+view: shape, strides and where it starts) for the replay to call again on views of the same
+places in the new tensors; its choice of kernels stays torch's, call by call. Where one
+argument is a stack of several inputs (`note_stacked`: the views of one stacked weight that
+fusetune.patch makes), the replay first checks that the new inputs are such a stack too.
+
 A plan is made only where the replay is sure to do what the full path does:
-- every launch of the call went through `direct`'s own launch (none through Triton's path
-  alone: an observed or unsupported Triton);
-- every tensor argument lies in exactly one input, output or scratch buffer, and every TMA
+- every launch of the call went through `direct`'s own launch or `torch_call` (none through
+  Triton's path alone: an observed or unsupported Triton; no torch call of a CPU tensor);
+- every tensor argument lies in exactly one input, output or scratch buffer (a torch call's
+  whole view in it, or in the stack it starts), and every TMA
   descriptor's base is one of them whole (the replay makes the same descriptor over the new
   tensor: a TMA launch's tensor map is made from the descriptor at every launch). A tensor the
   call makes with content (a contiguous copy, a bias of zeros) is none of these, and a call
@@ -49,9 +57,11 @@ class Recording:
     turns False when a launch could not be noted."""
 
     def __init__(self) -> None:
-        # (@triton.jit function, compiled kernel, grid, argument values) of each launch
-        self.launches: list[tuple[Any, Any, tuple[int, int, int], tuple[Any, ...]]] = []
+        # (@triton.jit function, compiled kernel, grid, argument values) of each launch; a
+        # torch call: (the torch function, None, None, its arguments with `out` last)
+        self.launches: list[tuple[Any, Any, tuple[int, int, int] | None, tuple[Any, ...]]] = []
         self.scratch: list[torch.Tensor] = []
+        self.stacks: list[tuple[torch.Tensor, ...]] = []  # inputs used as one stacked tensor
         self.devices: set[int] = set()  # the current device at each launch
         self.ok = True
 
@@ -78,6 +88,30 @@ def note_launch(device: int, fn: Any, kernel: Any, grid: tuple[int, ...],
         for rec in stack:
             rec.devices.add(device)
             rec.launches.append((fn, kernel, g, values))
+
+
+def torch_call(fn: Callable[..., torch.Tensor], args: tuple[Any, ...],
+               out: torch.Tensor) -> torch.Tensor:
+    """fn(*args, out=out) (torch.mm, torch.addmm), noted in the open recordings for a replay
+    to make the same call on the new tensors' views; a CPU tensor's call makes no plan."""
+    result = fn(*args, out=out)
+    stack = getattr(_local, "stack", None)
+    if stack:
+        entry = (fn, None, None, (*args, out))
+        for rec in stack:
+            if out.is_cuda:
+                rec.devices.add(out.get_device())
+                rec.launches.append(entry)
+            else:
+                rec.ok = False
+    return result
+
+
+def note_stacked(parts: Sequence[torch.Tensor]) -> None:
+    """Called where a launcher uses `parts` (inputs, each following the one before it in one
+    storage) as one stacked tensor: a replay checks that its inputs are such a stack too."""
+    for rec in getattr(_local, "stack", None) or ():
+        rec.stacks.append(tuple(parts))
 
 
 def note_unrecordable() -> None:
@@ -166,8 +200,9 @@ class Plan:
     def __init__(self, device: int, outputs: list[tuple[Any, ...]], single: bool,
                  scratch: list[tuple[Any, ...]], uses: list[tuple[int, int]],
                  alignment: list[tuple[int, int, bool]], fns: list[Any],
-                 launches: list[tuple[Any, tuple[int, int, int], list[Any],
-                                      tuple[tuple[int, int, int], ...]]]) -> None:
+                 launches: list[tuple[Any, tuple[int, int, int] | None, list[Any],
+                                      tuple[tuple[Any, ...], ...]]],
+                 stacks: list[tuple[int, ...]] | None = None) -> None:
         self.device = device
         self.outputs = outputs  # (shape, stride, dtype, device) of each output
         self.single = single  # the launcher returns one tensor (else a tuple)
@@ -177,8 +212,10 @@ class Plan:
         self.alignment = alignment
         self.fns = fns  # the @triton.jit functions launched (their pre-run hooks)
         # (kernel, grid, argument values (None at the tensors), (position, use, offset,
-        # descriptor fields or None) slots)
+        # descriptor fields or None) slots); a torch call: (its function, None, its arguments
+        # (None at the tensors), (position, use, offset in elements, shape, strides) slots)
         self.launches = launches
+        self.stacks = stacks or []  # the inputs (indices) that must be one stack, in order
         self.runs = 0  # replays (for tests)
 
     @classmethod
@@ -198,10 +235,27 @@ class Plan:
                 if t is not None and t.numel() > 0:
                     start = t.data_ptr()
                     regions.append((start, start + _extent(t), source, i))
+        stacks: list[tuple[int, ...]] = []  # each stack's inputs, by index
+        ends: dict[int, int] = {}  # the end of the stack an input starts, where it starts one
+        for parts in rec.stacks:
+            found = [next((i for i, t in enumerate(inputs) if t is p), None) for p in parts]
+            at = [i for i in found if i is not None]
+            if len(at) != len(parts):
+                return None  # a stack of tensors made in the call
+            stacks.append(tuple(at))
+            last = parts[-1]
+            ends[at[0]] = max(ends.get(at[0], 0), last.data_ptr() + _extent(last))
         uses: dict[tuple[int, int], int] = {}
         alignment: set[tuple[int, int, bool]] = set()
         launches = []
-        for _, kernel, grid, values in rec.launches:
+        for fn, kernel, grid, values in rec.launches:
+            if grid is None:  # a torch call of the function `fn`
+                call = cls._torch_slots(values, regions, ends, uses, inputs, outputs,
+                                        rec.scratch)
+                if call is None:
+                    return None
+                launches.append((fn, None, *call))
+                continue
             slots = []
             for pos, v in enumerate(values):
                 fields = None
@@ -229,11 +283,42 @@ class Plan:
             launches.append((kernel, grid, template, tuple(slots)))
         if any((_OUTPUT, i) not in uses for i in range(len(outputs))):
             return None  # an output no launch writes: the full path fills it otherwise
-        fns = list({id(fn): fn for fn, _, _, _ in rec.launches}.values())
+        # the @triton.jit functions launched (not the torch calls' functions)
+        fns = list({id(fn): fn for fn, _, grid, _ in rec.launches if grid is not None}.values())
         return cls(next(iter(rec.devices)),
                    [(t.shape, t.stride(), t.dtype, t.device) for t in outputs], single,
                    [(t.shape, t.dtype, t.device) for t in rec.scratch], list(uses),
-                   sorted(alignment), fns, launches)
+                   sorted(alignment), fns, launches,
+                   stacks)
+
+    @staticmethod
+    def _torch_slots(values: tuple[Any, ...], regions: list[tuple[int, int, int, int]],
+                     ends: dict[int, int], uses: dict[tuple[int, int], int],
+                     inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor],
+                     scratch: Sequence[torch.Tensor]
+                     ) -> tuple[list[Any], tuple[tuple[Any, ...], ...]] | None:
+        """(argument template, slots) of a torch call's arguments, or None where a tensor
+        argument is not a view of one input, output or scratch buffer of the same dtype."""
+        slots = []
+        for pos, v in enumerate(values):
+            if not isinstance(v, torch.Tensor):
+                continue
+            ptr = v.data_ptr()
+            owners = [r for r in regions if r[0] <= ptr < r[1]]
+            if len(owners) != 1:
+                return None
+            start, end, source, i = owners[0]
+            if source == _INPUT:
+                end = max(end, ends.get(i, 0))
+            base = _tensor(source, i, inputs, outputs, scratch)
+            size = v.element_size()
+            if (v.dtype != base.dtype or (ptr - start) % size
+                    or ptr + _extent(v) > end):
+                return None
+            use = uses.setdefault((source, i), len(uses))
+            slots.append((pos, use, (ptr - start) // size, tuple(v.shape), v.stride()))
+        template = [None if isinstance(v, torch.Tensor) else v for v in values]
+        return template, tuple(slots)
 
     def run(self, inputs: Sequence[torch.Tensor | None]) -> Any:
         """The recorded call repeated on `inputs` (the same signature): its result, or None
@@ -245,6 +330,16 @@ class Plan:
             return None
         if active.get_current_device() != self.device:
             return None
+        for stack in self.stacks:  # the inputs a launch reads as one stack are one still
+            first = inputs[stack[0]]
+            assert first is not None  # a stack is made of tensors only
+            storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+            for i in stack:
+                t = inputs[i]
+                assert t is not None
+                if t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
+                    return None
+                offset += t.numel()
         outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
                    for shape, stride, dtype, device in self.outputs]
         scratch = [torch.empty(shape, dtype=dtype, device=device)
@@ -256,8 +351,15 @@ class Plan:
             if ((ptrs[use] + offset) % 16 == 0) != aligned:
                 return None  # Triton would take another compiled kernel (and TMA another path)
         stream = active.get_current_stream(self.device)
-        for kernel, (g0, g1, g2), template, slots in self.launches:
+        for kernel, grid, template, slots in self.launches:
             values = template.copy()
+            if grid is None:  # a torch call, on views of the new tensors
+                for pos, use, offset, shape, stride in slots:
+                    t = tensors[use]
+                    values[pos] = t.as_strided(shape, stride, t.storage_offset() + offset)
+                kernel(*values[:-1], out=values[-1])
+                continue
+            g0, g1, g2 = grid
             for pos, use, offset, fields in slots:
                 values[pos] = (ptrs[use] + offset if fields is None
                                else TensorDescriptor(tensors[use], **fields))

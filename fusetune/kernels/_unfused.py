@@ -19,10 +19,12 @@ about WORKSPACE_BYTES at a time (chunks of output channels, _chunks), and multip
 16-bit GEMM. FP8 activations have no unfused form here (cuBLAS would be handed the rounded
 activations, which the fused kernels make in their norm pass): such points run fused only.
 
-A launcher's call that takes this form runs in full every call (no replay of its launches:
-cuBLAS's are not `direct`'s), which costs more host time than a fused call's replay; the tuner
-times such configs over CUDA-graph replays (tuner.bench.HOST_SHARE_OF_FLUSH), as the GPU runs
-them wherever the host keeps ahead of it.
+A launcher's call that takes this form is replayed like a fused one (_replay): the GEMMs go
+through `torch_call`, the upcast workspace and the intermediate results are `scratch`, and a
+stacked weight's parts are noted (`note_stacked`) so that a replay checks they are one stack
+still. cuBLAS's calls still cost more host time than a kernel launch; the tuner times such
+configs over CUDA-graph replays (tuner.bench.HOST_SHARE_OF_FLUSH), as the GPU runs them
+wherever the host keeps ahead of it.
 
 Numerics: the same formula, rounded at other places (the norm's output and the GEMM's in the
 activations' dtype, FP8 weights with their scales folded in before the products): within the
@@ -36,7 +38,7 @@ import triton
 import triton.language as tl
 
 from fusetune.kernels._direct import direct
-from fusetune.kernels._replay import note_unrecordable
+from fusetune.kernels._replay import note_stacked, scratch, torch_call
 from fusetune.spec import Config, Point, Resources
 
 # Every other key of an UNFUSED config means nothing: the canonical config sets them to these,
@@ -107,7 +109,7 @@ def _upcast(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> 
     computes, without its float32 intermediate in memory)."""
     if w.stride(1) != 1:
         w = w.contiguous()
-    out = torch.empty(w.shape, dtype=dtype, device=w.device)
+    out = scratch(tuple(w.shape), dtype, w.device)
     if w.numel() == 0:
         return out
     grid = (w.shape[0], triton.cdiv(w.shape[1], UPCAST_BLOCK))
@@ -123,13 +125,11 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
            out: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
     """out = x [M, K] · (scale ⊙ w)ᵀ (+ add, [M, N] or [N], by cuBLAS's beta) for w [N, K] in
     x's dtype (scale None) or FP8; returns `out`."""
-    # cuBLAS's launches do not go through `direct`: a launcher's call that makes them has no
-    # replay of its launches (_replay), and runs in full every time
-    note_unrecordable()
+    # through torch_call: a replay of the launcher's call makes the same cuBLAS calls (_replay)
     if w.dtype == x.dtype and scale is None:
         if add is None:
-            return torch.mm(x, w.t(), out=out)
-        return torch.addmm(add, x, w.t(), out=out)
+            return torch_call(torch.mm, (x, w.t()), out)
+        return torch_call(torch.addmm, (add, x, w.t()), out)
     step = _chunks(w, x.dtype)
     for n0 in range(0, w.shape[0], step):
         n1 = min(n0 + step, w.shape[0])
@@ -137,9 +137,9 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
         part = None if add is None else add[..., n0:n1]  # a residual's columns, a bias's
         cols = out[:, n0:n1]  # cuBLAS writes the columns in place (their row stride as ldc)
         if part is None:
-            torch.mm(x, wd.t(), out=cols)
+            torch_call(torch.mm, (x, wd.t()), cols)
         else:
-            torch.addmm(part, x, wd.t(), out=cols)
+            torch_call(torch.addmm, (part, x, wd.t()), cols)
     return out
 
 
@@ -157,6 +157,7 @@ def stacked(*parts: torch.Tensor) -> torch.Tensor | None:
             return None
         offset += t.numel()
     rows = sum(t.shape[0] for t in parts)
+    note_stacked(parts)  # a replay of the call checks that its inputs are one stack too
     return torch.as_strided(first, (rows, *first.shape[1:]), first.stride())
 
 

@@ -211,12 +211,11 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, w1: torch.Tensor, w3: torch.Te
         (w1, w3), None if s1 is None else (s1, s3), None)
     if one_gemm is not None:
         both, scales, _ = one_gemm
-        ab = _unfused.matmul(xn, both, scales,
-                             torch.empty((m, 2 * hidden), dtype=x.dtype, device=x.device))
+        ab = _unfused.matmul(xn, both, scales, scratch((m, 2 * hidden), x.dtype, x.device))
         a, b = ab[:, :hidden], ab[:, hidden:]
     else:
-        a = _unfused.matmul(xn, w1, s1, torch.empty((m, hidden), dtype=x.dtype, device=x.device))
-        b = _unfused.matmul(xn, w3, s3, torch.empty((m, hidden), dtype=x.dtype, device=x.device))
+        a = _unfused.matmul(xn, w1, s1, scratch((m, hidden), x.dtype, x.device))
+        b = _unfused.matmul(xn, w3, s3, scratch((m, hidden), x.dtype, x.device))
     cfg = cached_config(SWIGLU, (("hidden", hidden),), dtype_name(x.dtype), m, "", x.device,
                         warn=False)
     swiglu_2d(a, b, out, cfg, gate=gate)

@@ -461,7 +461,7 @@ def _unfused_2d(x: torch.Tensor, g: torch.Tensor, weights: tuple[torch.Tensor, .
     one_gemm = _unfused.stacked_operands(weights, scales, biases)
     if one_gemm is not None:
         w_all, s_all, b_all = one_gemm
-        ws = torch.empty((m, w_all.shape[0]), dtype=x.dtype, device=x.device)
+        ws = scratch((m, w_all.shape[0]), x.dtype, x.device)
         _unfused.matmul(xn, w_all, s_all, ws, b_all)
         hq, hk = weights[0].shape[0] // head_dim, weights[1].shape[0] // head_dim
         dims = (("head_dim", head_dim), ("heads", hq + 2 * hk),
