@@ -3,8 +3,12 @@ against a plain torch loop over the experts (interpreter on CPU), at awkward sha
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
+from triton_run import genuine_triton_run
 
 import fusetune
 from fusetune import gpus
@@ -216,3 +220,83 @@ def test_fp8_weights_through_the_call(name: str) -> None:
         fusetune.moe(x, gq, dq, ids, w, gate_up_scale=gs, down_scale=ds[0])
     with pytest.raises(TypeError, match="gate_up_scale is for FP8 weights"):
         fusetune.moe(x, gate_up.bfloat16(), down.bfloat16(), ids, w, gate_up_scale=gs)
+
+
+def test_a_repeated_call_takes_the_config_it_looked_up(tmp_path: Path, fresh_tables: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # moe keeps what its checks and lookup decided per call signature (_call_memo): a repeat
+    # of the signature (other values) looks nothing up; another signature does
+    import fusetune.runtime
+
+    dims = {"dim": 64, "experts": 4, "hidden": 48, "top_k": 2}
+    config = SPEC.validate_config(CONFIGS["per pair"])
+    table = tmp_path / "moe.yaml"
+    table.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {}, "gpus": {
+        "interpreter": {"moe": [{"dims": dims, "dtype": "float32", "batch": 1, "seq": 3,
+                                 "config": config}]}}}))
+    fusetune.load_tables(table)
+    gate_up, down = torch.randn(4, 96, 64) / 8, torch.randn(4, 64, 48) / 7
+    ids = torch.tensor([[0, 3], [1, 3], [2, 2]])
+
+    def call(x: torch.Tensor, w: torch.Tensor, **kw: object) -> torch.Tensor:
+        with torch.no_grad():
+            return fusetune.moe(x, gate_up, down, ids, w, **kw)  # type: ignore[arg-type]
+
+    call(torch.randn(3, 64), torch.rand(3, 2))
+    looked_up = []
+    real = fusetune.runtime.cached_config
+    monkeypatch.setattr(fusetune.runtime, "cached_config",
+                        lambda *a, **k: looked_up.append(a) or real(*a, **k))
+    x, w = torch.randn(3, 64), torch.rand(3, 2)
+    torch.testing.assert_close(call(x, w), call(x, w, config=config), rtol=0, atol=0)
+    assert looked_up == [] and len(moe_mod._MEMO) == 1
+    with torch.no_grad():
+        fusetune.moe(torch.randn(2, 64), gate_up, down, ids[:2], torch.rand(2, 2))
+    assert len(looked_up) == 1 and len(moe_mod._MEMO) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["decode tile", "prefill tile", "per pair",
+                                  "per pair, own down tile", "unfused"])
+def test_gpu_repeated_calls_replay_the_first(name: str, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config served from a table: moe's repeated calls (other tokens, routing and routing
+    weights each time, the same shapes) replay the first call's launches and torch calls
+    (fusetune.kernels._replay), equal to the full path (a config handed in is checked every
+    call); the unfused form (torch's sort and grouped GEMMs) takes the full path every call."""
+    from fusetune.gpus import current_gpu
+
+    genuine_triton_run(monkeypatch)
+    monkeypatch.delenv(fusetune.tables.ENV_VAR, raising=False)
+    config = SPEC.validate_config(CONFIGS[name])
+    # the per-pair structure is for a few pairs an expert (unfit, the default served, at more)
+    dims, tokens = {"dim": 256, "experts": 8, "hidden": 128, "top_k": 2}, (
+        3 if config["BLOCK_M"] == 1 else 37)
+    table = tmp_path / "moe.yaml"
+    table.write_text(yaml.safe_dump({"schema_version": 1, "provenance": {}, "gpus": {
+        current_gpu().name: {"moe": [{"dims": dims, "dtype": "bfloat16", "batch": 1,
+                                      "seq": tokens, "config": config}]}}}))
+    fusetune.load_tables(table)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(8, 256, 256, device="cuda", generator=g) / 16).bfloat16()
+    down = (torch.randn(8, 256, 128, device="cuda", generator=g) / 12).bfloat16()
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                x = torch.randn(tokens, 256, device="cuda", generator=g).bfloat16()
+                logits = torch.randn(tokens, 8, device="cuda", generator=g)
+                w, ids = torch.softmax(logits, -1).topk(2, dim=-1)
+                w = w.bfloat16()
+                got = fusetune.moe(x, gate_up, down, ids, w)
+                assert torch.equal(got, fusetune.moe(x, gate_up, down, ids, w, config=config))
+        ((kept, plan),) = moe_mod._MEMO.values()
+        assert kept == config
+        if name == "unfused":
+            assert plan is None
+        else:
+            assert plan is not None and plan.runs == 3
+            torch_calls = [fn for fn, grid, _, _ in plan.launches if grid is None]
+            assert torch_calls == ([] if config["BLOCK_M"] == 1 else
+                                   [torch.zeros, torch.full, torch.sum, torch.mul])
+    finally:
+        fusetune.tables.reset()
