@@ -160,6 +160,18 @@ def test_a_tma_descriptor_takes_the_short_path(launcher: Any) -> None:
     assert len(launcher.fn.slow) == 4 and launcher.hits == 1
 
 
+def _replay_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan.run's Triton parts for a machine without a GPU (device 0 current), and Triton's own
+    JITFunction.run (a wrapped one would make the replay decline)."""
+    from triton import knobs
+
+    genuine_triton_run(monkeypatch)
+    monkeypatch.setattr(_replay, "_parts", (knobs.runtime, SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: "stream"), JITFunction))
+    if _replay.hook_set(knobs.runtime.launch_enter_hook):
+        pytest.skip("a launch hook is set in this process")
+
+
 def _descriptor_plan(x: torch.Tensor, over: torch.Tensor) -> Any:
     """The plan of a recorded call on input x with one launch of (out, a descriptor `over`, 3)."""
     out = torch.empty(64, 64)
@@ -173,13 +185,7 @@ def _descriptor_plan(x: torch.Tensor, over: torch.Tensor) -> Any:
 
 def test_a_replay_remakes_each_descriptor_over_the_new_tensor(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from triton import knobs
-
-    genuine_triton_run(monkeypatch)  # a wrapped JITFunction.run would make the replay decline
-    monkeypatch.setattr(_replay, "_parts", (knobs.runtime, SimpleNamespace(
-        get_current_device=lambda: 0, get_current_stream=lambda device: "stream"), JITFunction))
-    if _replay.hook_set(knobs.runtime.launch_enter_hook):
-        pytest.skip("a launch hook is set in this process")
+    _replay_anywhere(monkeypatch)
     x = torch.zeros(4, 64, 64)
     plan = _descriptor_plan(x, x.view(256, 64))  # a 2-D view of the whole input
     assert plan is not None
@@ -195,17 +201,6 @@ def test_a_replay_remakes_each_descriptor_over_the_new_tensor(
     # a descriptor over part of a tensor, or over it read as another type: no plan
     assert _descriptor_plan(x, x.view(256, 64)[16:]) is None
     assert _descriptor_plan(x, x.view(torch.int32).view(256, 64)) is None
-
-
-def _replay_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plan.run's Triton parts for a machine without a GPU (device 0 current)."""
-    from triton import knobs
-
-    genuine_triton_run(monkeypatch)
-    monkeypatch.setattr(_replay, "_parts", (knobs.runtime, SimpleNamespace(
-        get_current_device=lambda: 0, get_current_stream=lambda device: "stream"), JITFunction))
-    if _replay.hook_set(knobs.runtime.launch_enter_hook):
-        pytest.skip("a launch hook is set in this process")
 
 
 def _torch_plan(calls: Any, inputs: list[torch.Tensor], result: torch.Tensor,

@@ -185,6 +185,15 @@ def _tensor(source: int, i: int, inputs: Sequence[torch.Tensor | None],
     return t
 
 
+def _owner(regions: list[tuple[int, int, int, int]], ptr: int
+           ) -> tuple[int, int, int, int] | None:
+    """The one region (first byte, end, source, index) that address `ptr` lies in; None where
+    it lies in none (a tensor the call made with content) or in several (inputs that
+    overlap)."""
+    owners = [r for r in regions if r[0] <= ptr < r[1]]
+    return owners[0] if len(owners) == 1 else None
+
+
 def _fresh(t: torch.Tensor) -> bool:
     """Whether t is all of a storage of its own, densely laid out (what empty_strided makes)."""
     return (t.storage_offset() == 0 and t.numel() > 0
@@ -202,7 +211,7 @@ class Plan:
                  alignment: list[tuple[int, int, bool]], fns: list[Any],
                  launches: list[tuple[Any, tuple[int, int, int] | None, list[Any],
                                       tuple[tuple[Any, ...], ...]]],
-                 stacks: list[tuple[int, ...]] | None = None) -> None:
+                 stacks: list[tuple[int, ...]]) -> None:
         self.device = device
         self.outputs = outputs  # (shape, stride, dtype, device) of each output
         self.single = single  # the launcher returns one tensor (else a tuple)
@@ -215,7 +224,7 @@ class Plan:
         # descriptor fields or None) slots); a torch call: (its function, None, its arguments
         # (None at the tensors), (position, use, offset in elements, shape, strides) slots)
         self.launches = launches
-        self.stacks = stacks or []  # the inputs (indices) that must be one stack, in order
+        self.stacks = stacks  # the inputs (indices) that must be one stack, in order
         self.runs = 0  # replays (for tests)
 
     @classmethod
@@ -267,10 +276,10 @@ class Plan:
                         return None  # a descriptor of another kind over this call's tensor
                     continue
                 ptr = v.data_ptr()
-                owners = [r for r in regions if r[0] <= ptr < r[1]]
-                if len(owners) != 1:
+                owner = _owner(regions, ptr)
+                if owner is None:
                     return None  # made in the call with content, or inputs that overlap
-                start, _, source, i = owners[0]
+                start, _, source, i = owner
                 if fields is not None and (ptr != start or v.dtype != _tensor(
                         source, i, inputs, outputs, rec.scratch).dtype):
                     return None  # a descriptor over part of a tensor, or another type of it
@@ -288,8 +297,7 @@ class Plan:
         return cls(next(iter(rec.devices)),
                    [(t.shape, t.stride(), t.dtype, t.device) for t in outputs], single,
                    [(t.shape, t.dtype, t.device) for t in rec.scratch], list(uses),
-                   sorted(alignment), fns, launches,
-                   stacks)
+                   sorted(alignment), fns, launches, stacks)
 
     @staticmethod
     def _torch_slots(values: tuple[Any, ...], regions: list[tuple[int, int, int, int]],
@@ -304,10 +312,10 @@ class Plan:
             if not isinstance(v, torch.Tensor):
                 continue
             ptr = v.data_ptr()
-            owners = [r for r in regions if r[0] <= ptr < r[1]]
-            if len(owners) != 1:
+            owner = _owner(regions, ptr)
+            if owner is None:
                 return None
-            start, end, source, i = owners[0]
+            start, end, source, i = owner
             if source == _INPUT:
                 end = max(end, ends.get(i, 0))
             base = _tensor(source, i, inputs, outputs, scratch)
