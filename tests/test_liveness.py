@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from datetime import datetime, timedelta, timezone
@@ -71,6 +72,44 @@ def test_heartbeat_claims_beats_and_releases(db_url: str) -> None:
         later = store.running(pid)[7]
         assert later.heartbeat_at > first
         assert (later.host, later.pid) == (liveness.HOST, os.getpid())
+    assert store.running(pid) == {}
+
+
+def test_a_claim_is_live_for_the_other_threads_from_its_first_instant(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The threads of one search on several devices share a point. A thread that reads another
+    # one's claim row the instant it is written must see it live, not take it for the leftover
+    # of an earlier run and take it over (both then ran the config).
+    store = Store(db_url)
+    from fusetune.db.store import PointKey
+
+    pid = store.point_id(PointKey("interpreter", "rmsnorm", {"dim": 8}, 1, 1, "float16", "",
+                                  "interpreter", "h", "t", "v"))
+    real = store.claim_running
+    outcome: list[BaseException | None] = []
+
+    def other_thread() -> None:
+        try:
+            with liveness.Heartbeat(store, pid, 8, config_key="K"):
+                outcome.append(None)  # took the config over
+        except BaseException as exc:  # the test reads it
+            outcome.append(exc)
+
+    def claim_then_race(*args: object, **kwargs: object) -> int | None:
+        got = real(*args, **kwargs)  # type: ignore[arg-type]
+        if threading.current_thread() is main:
+            # the row is committed; another thread reads it before this claim returns
+            racer.start()
+            time.sleep(0.3)
+        return got
+
+    main = threading.current_thread()
+    racer = threading.Thread(target=other_thread)
+    monkeypatch.setattr(store, "claim_running", claim_then_race)
+    with liveness.Heartbeat(store, pid, 7, config_key="K"):
+        racer.join(timeout=10)
+        assert len(outcome) == 1 and isinstance(outcome[0], liveness.ClaimedElsewhere), outcome
+        assert set(store.running(pid)) == {7}
     assert store.running(pid) == {}
 
 

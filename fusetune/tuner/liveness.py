@@ -92,10 +92,14 @@ class Heartbeat:
 
     def _claim(self) -> int:
         for _ in range(5):
-            got = self.store.claim_running(self.point_id, self.trial_number, HOST, os.getpid(),
-                                           self.config_key)
-            if got is not None:
-                return got
+            # The row and its entry in _HELD appear at once for this process's other threads:
+            # one that read the row before the entry would take this live claim for a dead one.
+            with _HELD_LOCK:
+                got = self.store.claim_running(self.point_id, self.trial_number, HOST,
+                                               os.getpid(), self.config_key)
+                if got is not None:
+                    _HELD.add((got, self.point_id, self.trial_number))
+                    return got
             holder = self.store.claim_of(self.point_id, self.trial_number, self.config_key)
             if holder is None:
                 continue  # released between the failed insert and this read: try again
@@ -107,8 +111,6 @@ class Heartbeat:
 
     def __enter__(self) -> Heartbeat:
         self._id = self._claim()
-        with _HELD_LOCK:
-            _HELD.add(self._held)
         self._thread = threading.Thread(target=self._run, name="fusetune-heartbeat", daemon=True)
         self._thread.start()
         return self
