@@ -285,7 +285,8 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     one dtype for the three, with per-channel scales `scales` = (sq, sk, sv) or None); biases
     (bq, bk, bv) or None; cos and sin [B or 1, seq, >= head_dim/2] with unit column stride;
     outputs contiguous [M, N]; `act`: FP8 activations; `qk_norm`: (q's and k's norm weights
-    [head_dim], their epsilon), whose configs keep whole heads in a tile (`_resources`).
+    [head_dim], their epsilon), whose configs keep whole heads in a tile or split K (a
+    finishing pass over whole heads: `_resources`).
 
     PASSES = 2: RMSNorm runs first as its own kernel (tuned config from the tables) and the
     matmul reads its output; with FP8 activations that pass always runs and writes the rows in
@@ -332,13 +333,27 @@ def _launch_2d(x: torch.Tensor, g: torch.Tensor, wq: torch.Tensor, wk: torch.Ten
     qn, kn, qk_eps = qk_norm if qk_norm is not None else (oq, oq, 0.0)
     stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0  # one row of positions: broadcast
 
+    # Split-K with the q/k norms: only the finishing pass normalizes, so only its tiles must
+    # hold whole heads. Where the products' tiles do not, it runs over tiles of whole heads
+    # (BLOCK_N rounded up to them, SPREAD 0): the partials lie in the workspace by pair index,
+    # whichever tile wrote them.
+    finish_args, finish_tiles = args, 0
+    if qk_norm is not None and split > 1 and (bn % half or args["SPREAD"]):
+        fbn = half * cdiv(bn, half)
+        finish_args = {**args, "BLOCK_N": fbn, "SPREAD": 0}
+        finish_tiles = cdiv(m, config["BLOCK_M"]) * (cdiv(nq_pairs, fbn)
+                                                     + 2 * cdiv(nkv_pairs, fbn))
+
     def launch(grid: tuple[int, int], finish: bool) -> None:
+        a = args
+        if finish and finish_tiles:
+            a, grid = finish_args, (finish_tiles, 1)
         direct(_qkv_kernel)[grid](
             xa, g, wq, wk, wv, *row_descs, oq, ok, ov, ws, wsq, oq if sx is None else sx, sq,
             sk, sv, bq, bk, bv, qn, kn, cos, sin, m, k, seq, nq_pairs, nkv_pairs, half,
             x.stride(0), wq.stride(0), wk.stride(0), wv.stride(0), stride_cb, cos.stride(1),
             eps, qk_eps, INTERLEAVED=interleaved, FINISH=finish, HAS_BIAS=biases is not None,
-            QK_NORM=qk_norm is not None, HEAD_PAIRS=half if qk_norm is not None else 1, **args,
+            QK_NORM=qk_norm is not None, HEAD_PAIRS=half if qk_norm is not None else 1, **a,
         )
 
     launch_split(launch, cdiv(m, config["BLOCK_M"]) * n_blocks, split)
@@ -624,12 +639,13 @@ def qkv(
             return _MEMO.first(memo_key, inputs, cfg, since, run)
     else:
         cfg = SPEC.validate_config(config)
-        if qk is not None and not _unfused.unfused(cfg) and (cfg["BLOCK_N"] % (head_dim // 2)
-                                                             or cfg["SPREAD"]):
+        if (qk is not None and not _unfused.unfused(cfg) and cfg["SPLIT_K"] == 1
+                and (cfg["BLOCK_N"] % (head_dim // 2) or cfg["SPREAD"])):
             raise ConfigError(
                 f"qkv: with q_norm and k_norm a tile must hold whole heads: BLOCK_N="
                 f"{cfg['BLOCK_N']} pairs must be a multiple of head_dim/2 = {head_dim // 2}, "
-                f"and SPREAD={cfg['SPREAD']} must be 0")
+                f"and SPREAD={cfg['SPREAD']} must be 0 (or the K loop split, SPLIT_K > 1: "
+                "its finishing pass normalizes over whole heads)")
     return _run(x, rms_weight, wq, wk, wv, cos, sin, eps, head_dim, interleaved, (bq, bk, bv),
                 (wq_scale, wk_scale, wv_scale), fp8_activations, cfg, qk)
 
@@ -795,10 +811,13 @@ def _resources(config: Config, point: Point) -> Resources:
     res = matmul_resources(config, point, n_weights=2, epilogue=True, base_regs=48,
                            unfused=True)
     half = point.dim["head_dim"] // 2
+    # The per-head norm needs a head's every column in one program: the tile's own where it
+    # finishes the product itself; with split-K the finishing pass has tiles of whole heads.
     if (SPEC.dim_value(point, "qk_norm") and not res.unfit and not _unfused.unfused(config)
-            and (config["BLOCK_N"] % half or config.get("SPREAD"))):
+            and config["SPLIT_K"] == 1 and (config["BLOCK_N"] % half or config.get("SPREAD"))):
         return dataclasses.replace(res, unfit=f"qk_norm: a tile must hold whole heads "
-                                              f"(BLOCK_N a multiple of {half} pairs, SPREAD 0)")
+                                              f"(BLOCK_N a multiple of {half} pairs, SPREAD 0) "
+                                              f"or the K loop be split (SPLIT_K > 1)")
     return res
 
 

@@ -560,6 +560,10 @@ QK_CONFIGS = {
                            "PASSES": 2, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2},
     "one-row": {**GEMV, "BLOCK_N": 16, "BLOCK_K": 32, "PASSES": 1, "SPLIT_K": 1,
                 "num_warps": 2},
+    # split-K: the products' tiles cut heads (or spread their pairs); the finishing pass
+    # normalizes over tiles of whole heads
+    "one-row, spread, split-K": {**GEMV, "BLOCK_N": 2, "BLOCK_K": 16, "PASSES": 1,
+                                 "SPLIT_K": 4, "SPREAD": 1, "num_warps": 2},
     "tma": {**TMA, "BLOCK_N": 8},
     "unfused": {"UNFUSED": 1},
 }
@@ -575,10 +579,25 @@ def qk_point(interleaved: int, dtype: str = "float32", weights: str = "", rows: 
 @pytest.mark.parametrize("interleaved", [0, 1])
 @pytest.mark.parametrize("name", list(QK_CONFIGS))
 def test_qk_norm_configs_pass_the_tuners_check(name: str, interleaved: int) -> None:
-    point = qk_point(interleaved, rows=1 if name == "one-row" else 7)
+    point = qk_point(interleaved, rows=1 if name.startswith("one-row") else 7)
     default = SPEC.default_config(point, gpus.INTERPRETER)
     config = SPEC.canonical({**default, "TMA": 0, **QK_CONFIGS[name]}, point)
     assert not SPEC.resources(config, point).unfit
+    out = Evaluator(SPEC, point, "interpreter", "cpu").evaluate(config)
+    assert out.status == "ok", out.reason
+    assert out.rel_err is not None and out.rel_err <= 1e-4
+
+
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_qk_norm_split_k_tiles_of_part_of_a_head(interleaved: int) -> None:
+    # head_dim 64: 32 pairs a head, tensor-core tiles of 16 pairs (half a head) with the K
+    # loop split; the finishing pass runs over tiles of whole heads
+    point = Point.make("qkv", {"dim": 64, "head_dim": 64, "interleaved": interleaved,
+                               "n_heads": 2, "n_kv_heads": 1, "qk_norm": 1}, 1, 7, "float32")
+    config = SPEC.canonical({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1,
+                             "PASSES": 2, "SPLIT_K": 2, "TMA": 0, "num_warps": 2,
+                             "num_stages": 2}, point)
+    assert config["BLOCK_N"] == 16 and not SPEC.resources(config, point).unfit
     out = Evaluator(SPEC, point, "interpreter", "cpu").evaluate(config)
     assert out.status == "ok", out.reason
     assert out.rel_err is not None and out.rel_err <= 1e-4
@@ -603,8 +622,9 @@ def test_qk_norm_is_applied_and_keyed() -> None:
     with_norm, without = SPEC.reference(inputs), SPEC.reference(plain)
     assert not torch.allclose(with_norm["q"], without["q"])
     assert torch.equal(with_norm["v"], without["v"])
-    split = {**SPEC.default_config(point, gpus.INTERPRETER), "BLOCK_N": 4}
+    split = {**SPEC.default_config(point, gpus.INTERPRETER), "BLOCK_N": 4, "SPLIT_K": 1}
     assert "whole heads" in SPEC.resources(split, point).unfit
+    assert not SPEC.resources({**split, "SPLIT_K": 2}, point).unfit
     x = inputs["x"]
     args = (x, inputs["rms_weight"], inputs["wq"], inputs["wk"], inputs["wv"], inputs["cos"],
             inputs["sin"])
@@ -617,10 +637,12 @@ def test_qk_norm_is_applied_and_keyed() -> None:
         fusetune.qkv(*args, **{**kw, "k_norm": None})
     with pytest.raises(ValueError, match=r"q_norm must be \[16\] \(head_dim\)"):
         fusetune.qkv(*args, **{**kw, "q_norm": torch.ones(8)})
-    q, k, v = fusetune.qkv(*args, **kw)  # the lookup's default, through the public call
     ref = SPEC.reference(inputs)
-    for got, name in ((q, "q"), (k, "k"), (v, "v")):
-        assert (got - ref[name]).norm() / ref[name].norm() <= 1e-4
+    # the lookup's default, and a split-K tile of half a head, through the public call
+    for config in (None, {**split, "SPLIT_K": 2}):
+        q, k, v = fusetune.qkv(*args, **kw, config=config)
+        for got, name in ((q, "q"), (k, "k"), (v, "v")):
+            assert (got - ref[name]).norm() / ref[name].norm() <= 1e-4, (config, name)
     assert SPEC.short_dims(qk_point(0).dim) == qk_point(0).dim
     assert "qk_norm" not in SPEC.short_dims({**qk_point(0).dim, "qk_norm": 0})
 
@@ -664,11 +686,13 @@ def test_qk_norm_points_search_export_and_serve(tmp_path: Path) -> None:
 ])
 def test_gpu_qk_norm_model_dims(dims: dict[str, int], rows: int, weights: str) -> None:
     # whole heads per tile at the models' head widths (one head: 64 or 128 pairs): the default
-    # config, one head a tile and the unfused form, through the tuner's check on the H200
+    # config, one head a tile, split-K products over 16 pairs (a finishing pass over whole
+    # heads) and the unfused form, through the tuner's check on the H200
     point = Point.make("qkv", {**dims, "qk_norm": 1}, 1, rows, "bfloat16", weights)
     ev = Evaluator(SPEC, point, "cuda", "cuda")
     default = SPEC.default_config(point, gpus.resolve("h200"))
     for config in (default, {**default, "UNFUSED": 1},
-                   {**default, "BLOCK_N": dims["head_dim"] // 2, "SPLIT_K": 1, "TMA": 0}):
+                   {**default, "BLOCK_N": dims["head_dim"] // 2, "SPLIT_K": 1, "TMA": 0},
+                   {**default, "BLOCK_N": 16, "SPLIT_K": 4, "TMA": 0}):
         out = ev.check(SPEC.canonical(config, point))
         assert out.status == "ok", (config, out.reason)
