@@ -71,6 +71,29 @@ def test_neighbours_come_nearest_first_from_other_rows_and_other_dims(sqlite_url
                              same_shape=False) == [{"BLOCK_N": 3}]
 
 
+def test_points_without_an_optional_dim_are_near_those_with_it(sqlite_url: str) -> None:
+    # qkv's plain points (qk_norm left out: 0) seed those with q/k norms at the same dims, one
+    # apart, and the reverse; without optional_dims their dims have other names.
+    store = Store(sqlite_url)
+    plain = {"dim": 4096, "head_dim": 128, "interleaved": 0, "n_heads": 32, "n_kv_heads": 8}
+    normed = {**plain, "qk_norm": 1}
+    optional = get_spec("qkv").optional_dims
+    assert optional == {"qk_norm": 0}
+
+    def qkv(dims: dict[str, int], rows: int) -> PointKey:
+        return PointKey("h100-sxm", "qkv", dims, rows, 1, "float16", "", "cuda", "k", "3.6",
+                        "2.11")
+
+    stored_winner(store, qkv(plain, 1), 16)
+    stored_winner(store, qkv(normed, 64), 64)  # 6 apart: farther
+    me = qkv(normed, 1)
+    assert neighbour_winners(store, me, None, use_tables=False) == [{"BLOCK_N": 64}]
+    assert neighbour_winners(store, me, None, use_tables=False,
+                             optional_dims=optional) == [{"BLOCK_N": 16}, {"BLOCK_N": 64}]
+    assert neighbour_winners(store, qkv(plain, 4), None, use_tables=False,
+                             optional_dims=optional) == [{"BLOCK_N": 16}, {"BLOCK_N": 64}]
+
+
 def test_among_equally_near_points_the_one_of_more_rows_seeds_first(sqlite_url: str) -> None:
     # 64 rows lie 6 factors of two from both 1 and 4096 rows: the 4096-row winner comes first
     # (as the lookup rounds up), whichever was stored first.

@@ -280,5 +280,6 @@ def load_grid(store: Store, storage: optuna.storages.BaseStorage, row: PointRow,
     eval_s, timed = recorded_eval_time(storage, row.study_name)
     return StoredGrid(point, plan, measured, spec.canonical(spec.default_config(point, gpu), point),
                       neighbour_winners(store, key, row.id, same_shape=False,
-                                        flags=omitted), eval_s, timed,
+                                        flags=omitted, optional_dims=spec.optional_dims),
+                      eval_s, timed,
                       f"stored point {row.id}", row.kernel_hash)

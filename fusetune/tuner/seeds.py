@@ -62,8 +62,8 @@ def weights_distance(weights: str, other: str) -> float | None:
 
 def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
                       limit: int = NEIGHBOURS, *, use_tables: bool = True,
-                      same_shape: bool = True, flags: Mapping[str, int] | None = None
-                      ) -> list[Config]:
+                      same_shape: bool = True, flags: Mapping[str, int] | None = None,
+                      optional_dims: Mapping[str, int] | None = None) -> list[Config]:
     """Distinct winners of the `limit` points nearest to `key` (point_distance, at most
     MAX_DISTANCE; among equals the one of more rows first, as the lookup rounds up: a config
     tuned for more rows serves fewer, not the reverse; then the database's before the tables',
@@ -73,13 +73,17 @@ def neighbour_winners(store: Store, key: PointKey, point_id: int | None,
     does, where those may come from the grid itself. `flags` (KernelSpec.omitted_values): a
     winner stored before the kernel gained a flag (or a `same_as` key) ran with its default, and
     is returned with it (as the tables' validated entries are), so that it is the same config as
-    its twin in a table."""
+    its twin in a table. `optional_dims` (KernelSpec.optional_dims): a point that leaves one
+    out has its default, so that the points with and without it are neighbours (qkv's plain
+    points beside those with q/k norms, one apart)."""
     rows = max(1, key.batch * key.seq)
     found: list[tuple[float, int, int, Config]] = []
+    optional = dict(optional_dims or {})
+    my_dims = {**optional, **key.dims}
 
     def consider(dims: Mapping[str, int], n_rows: int, dtype: str, weights: str,
                  config: Config) -> None:
-        d = point_distance(key.dims, rows, key.dtype, dims, n_rows, dtype)
+        d = point_distance(my_dims, rows, key.dtype, {**optional, **dims}, n_rows, dtype)
         w = weights_distance(key.weights, weights)
         if d is None or w is None:
             return

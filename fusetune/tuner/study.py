@@ -341,7 +341,8 @@ class PointTuner:
         # its budget already: nothing would be asked, the enqueued trials would only wait.
         if strategy.seeded and self._evaluated_feasible() < target:
             neighbours = neighbour_winners(ctx.store, self.key, self.point_id,
-                                           flags=self.spec.omitted_values)
+                                           flags=self.spec.omitted_values,
+                                           optional_dims=self.spec.optional_dims)
             starts = start_configs(self.spec, self.point, ctx.space, self.plan, self.default,
                                    neighbours)
             direct = proposer.enqueue(starts)  # outside the YAML space: run them directly
