@@ -43,11 +43,6 @@ def str_list(_ctx: Any, param: click.Parameter, value: str | None) -> list[str] 
     return None if value is None else _items(param, value, "comma-separated names")
 
 
-# Dims that switch a kernel's layout or epilogue on or off (0 or 1) rather than size it: rope's
-# and qkv's `interleaved`, linear's `bias` and `residual`. Every other dim is a size.
-FLAG_DIMS = ("bias", "interleaved", "residual")
-
-
 def dims_map(_ctx: Any, param: click.Parameter, value: str | None) -> dict[str, int] | None:
     if value is None:
         return None
@@ -60,14 +55,7 @@ def dims_map(_ctx: Any, param: click.Parameter, value: str | None) -> dict[str, 
         except ValueError:
             raise click.BadParameter(f"{value!r}: {part!r} is not name=integer; expected "
                                      "e.g. dim=4096,hidden=11008", param=param) from None
-        if name in FLAG_DIMS and out[name] not in (0, 1):
-            raise click.BadParameter(f"{value!r}: {name}={out[name]} must be 0 or 1 (a switch, "
-                                     f"as {', '.join(FLAG_DIMS)} are)", param=param)
-        if name not in FLAG_DIMS and out[name] < 1:
-            raise click.BadParameter(f"{value!r}: {name}={out[name]} must be a positive integer "
-                                     f"(a size; only the switches {', '.join(FLAG_DIMS)} take "
-                                     "0)", param=param)
-    return out
+    return out  # the values are the kernel's to judge (search.parse_dims)
 
 
 @dataclass

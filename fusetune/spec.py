@@ -227,6 +227,12 @@ class KernelSpec:
       to one structure leaves the entries of the others.
     - `unfused_form`: what an UNFUSED = 1 config runs, in words (for `show` and the search's
       tables).
+    - `dim_choices`: the dims that take one of a few values rather than size something (the
+      switches, such as qkv's interleaved and qk_norm; ffn's activation), each value with what
+      it means; every other dim of a built-in kernel is a size, at least 1 (`dims_problem`).
+    - `check_dims(dims)`: what is wrong with a point's dims taken together (all of them, an
+      optional one at its default where left out), in words, or None: qkv's head_dim must be
+      even, moe's top_k at most its experts.
     - `optional_dims`: dims beside dim_names with a default (qkv's qk_norm: 0), which points,
       tables and lookups leave out at that value (`short_dims`): tables from before the kernel
       gained the argument keep their keys.
@@ -298,6 +304,8 @@ class KernelSpec:
     algorithm_keys: tuple[str, ...] = ()
     optional_dims: Mapping[str, int] = field(default_factory=dict)
     default_rows: tuple[int, ...] = ()
+    dim_choices: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
+    check_dims: Callable[[Mapping[str, int]], str | None] | None = None
 
     @property
     def all_dim_names(self) -> tuple[str, ...]:
@@ -319,6 +327,27 @@ class KernelSpec:
         out (so that a kernel which gained an argument keeps its older tables' keys)."""
         return {k: v for k, v in dims.items()
                 if k not in self.optional_dims or v != self.optional_dims[k]}
+
+    def dims_problem(self, dims: Mapping[str, Any]) -> str | None:
+        """What is wrong with `dims` (named as dims_named allows) as a point's dims, in words
+        naming the bad value and the valid ones, or None. A switch or choice takes one of its
+        `dim_choices`; any other dim is a size, at least 1 for a built-in kernel (a kernel of
+        one's own keys on its arguments as they are: at least 0); then `check_dims`."""
+        for k, v in dims.items():
+            if not isinstance(v, int) or isinstance(v, bool):
+                return f"{k}={v!r} must be an integer"
+            choices = self.dim_choices.get(k)
+            if choices is not None:
+                if v not in choices:
+                    valid = ", ".join(f"{c} ({meaning})" for c, meaning in choices.items())
+                    return f"{k}={v} is none of {self.name}'s choices: {valid}"
+            elif v < (0 if self.ref else 1):
+                return (f"{k}={v} must be a non-negative integer" if self.ref else
+                        f"{k}={v} must be a positive integer (a size; the dims that take 0 are "
+                        f"{', '.join(self.dim_choices) or 'none'} for {self.name})")
+        if self.check_dims is not None:
+            return self.check_dims({**self.optional_dims, **dims})
+        return None
 
     def dim_value(self, point: Point, name: str) -> int:
         """A dim of `point`, an optional one at its default where the point leaves it out."""

@@ -192,49 +192,66 @@ def test_empty_list_items_refused(option: str, value: str) -> None:
 
 
 @pytest.mark.parametrize(("kernel", "dims", "bad"), [
-    ("rmsnorm", "dim=0", "dim=0 must be a positive integer"),
+    ("rmsnorm", "dim=0", "dim=0 must be a positive integer (a size; the dims that take 0 are "
+                         "residual for rmsnorm)"),
     ("rmsnorm", "dim=-64", "dim=-64 must be a positive integer"),
-    ("ffn", "dim=64,hidden=0", "hidden=0 must be a positive integer"),
-    ("rope", "heads=4,head_dim=16,interleaved=2", "interleaved=2 must be 0 or 1"),
-    ("linear", "bias=0,dim=64,out=32,residual=-1", "residual=-1 must be 0 or 1"),
+    ("ffn", "dim=64,hidden=0", "hidden=0 must be a positive integer (a size; the dims that "
+                               "take 0 are act for ffn)"),
+    ("rope", "heads=4,head_dim=16,interleaved=2",
+     "interleaved=2 is none of rope's choices: 0 (half-split pairs (i, i + head_dim/2)), 1 "
+     "(interleaved pairs (2i, 2i + 1))"),
+    ("linear", "bias=0,dim=64,out=32,residual=-1",
+     "residual=-1 is none of linear's choices: 0 (no residual), 1 (a residual added)"),
+    ("qkv", "dim=64,head_dim=16,interleaved=0,n_heads=4,n_kv_heads=2,qk_norm=2",
+     "qk_norm=2 is none of qkv's choices: 0 (no q/k norms), 1"),
+    ("ffn", "dim=64,hidden=96,act=2", "act=2 is none of ffn's choices: 0 (silu), 1 (gelu_tanh)"),
+    ("qkv", "dim=64,head_dim=15,interleaved=0,n_heads=4,n_kv_heads=2",
+     "head_dim=15 must be even"),
+    ("rope", "heads=4,head_dim=7,interleaved=1", "head_dim=7 must be even"),
+    ("moe", "dim=64,experts=4,hidden=48,top_k=5", "top_k=5 must be at most experts=4"),
 ])
-def test_dims_must_be_positive(kernel: str, dims: str, bad: str) -> None:
+def test_dims_each_kernel_refuses(kernel: str, dims: str, bad: str) -> None:
+    # Sizes are at least 1, switches and choices take one of their values, and what a kernel
+    # needs of its dims together holds: the kernel's own word, before any work.
     for command in ("search", "evaluate-search"):
         r = invoke(command, "--kernel", kernel, "--dims", dims, "--dry-run"
                    if command == "search" else "--no-grid", "--gpu", "h100")
-        assert r.exit_code == 2, r.output
+        assert r.exit_code == 1, r.output
         (error,) = [line for line in r.output.splitlines() if line.startswith("Error:")]
-        assert error.startswith(f"Error: Invalid value for '--dims': {dims!r}: {bad} "), error
-        assert "bias, interleaved, residual" in error, error
+        assert error.startswith(f"Error: --dims: {bad}"), error
         assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
 
 
 def test_switch_dims_take_zero() -> None:
-    # The switches (a layout, an epilogue term) are 0 or 1; the plan takes them as given.
+    # The switches (a layout, an epilogue term, an optional dim at its default) and ffn's
+    # activation take 0; the plan takes them as given.
     for kernel, dims in (("rope", "heads=4,head_dim=16,interleaved=0"),
-                         ("linear", "bias=0,dim=64,out=32,residual=0")):
+                         ("linear", "bias=0,dim=64,out=32,residual=0"),
+                         ("qkv", "dim=64,head_dim=16,interleaved=0,n_heads=4,n_kv_heads=2,"
+                                 "qk_norm=0"),
+                         ("ffn", "dim=64,hidden=96,act=0")):
         r = invoke("search", "--kernel", kernel, "--dims", dims, "--gpu", "h100", "--dry-run",
                    "--batch", "1", "--seq", "1", "--dtype", "float16")
         assert r.exit_code == 0, r.output
         assert f"Plan for {kernel} on h100-sxm" in r.output
 
 
-def test_switch_dims_are_the_only_dims_a_model_sets_below_one() -> None:
-    # What --dims refuses (a size below 1) no model gives a kernel: the dims a model sets to 0
-    # are the switches, and those are 0 or 1.
-    from fusetune.cli_options import FLAG_DIMS
+def test_every_models_dims_are_what_their_kernels_accept() -> None:
+    # What --dims refuses no model gives a kernel: each preset's dims of each kernel it
+    # launches pass that kernel's own check, and the dims a model sets to 0 are its choices.
+    from fusetune.kernels import get_spec
     from fusetune.models import PRESETS, launched_dims
 
     seen = set()
     for model in PRESETS.values():
         for training in (False, True)[:1 if model.experts else 2]:  # MoE: no training path
-            for uses in launched_dims(model, training).values():
+            for kernel, uses in launched_dims(model, training).items():
+                spec = get_spec(kernel)
                 for _, dims in uses:
-                    for name, value in dims.items():
-                        seen.add(name)
-                        assert value >= 1 or name in FLAG_DIMS, (model.name, name, value)
-                        assert name not in FLAG_DIMS or value in (0, 1), (model.name, name)
-    assert set(FLAG_DIMS) <= seen
+                    assert spec.dims_problem(dims) is None, (model.name, kernel, dims)
+                    seen |= {name for name, value in dims.items() if value == 0}
+    assert seen <= {"bias", "interleaved", "residual", "qk_norm", "act"}, seen
+    assert {"bias", "interleaved", "residual"} <= seen
 
 
 def test_weights_help_names_every_kernel_that_takes_weight_formats() -> None:

@@ -36,3 +36,25 @@ def test_spillable_registers_count_only_up_to_what_the_block_leaves() -> None:
     half = dataclasses.replace(h100, regs_per_block=32768)
     assert check_fits(Resources(0, 96, 512, spill_regs=32), half) is None
     assert check_fits(Resources(0, 96, 512, spill_regs=16), half).startswith("registers")
+
+
+def test_dims_problem_sizes_choices_and_dims_together() -> None:
+    from fusetune.kernels import get_spec
+
+    ffn, moe = get_spec("ffn"), get_spec("moe")
+    assert ffn.dims_problem({"dim": 64, "hidden": 96}) is None
+    assert ffn.dims_problem({"dim": 64, "hidden": 96, "act": 1}) is None
+    assert "act=2 is none of ffn's choices" in str(ffn.dims_problem({"dim": 64, "hidden": 96,
+                                                                        "act": 2}))
+    assert "hidden=0 must be a positive integer" in str(ffn.dims_problem({"dim": 64,
+                                                                          "hidden": 0}))
+    assert "hidden=1.5 must be an integer" in str(ffn.dims_problem({"dim": 64, "hidden": 1.5}))
+    assert "must be an integer" in str(ffn.dims_problem({"dim": True, "hidden": 8}))
+    assert moe.dims_problem({"dim": 8, "experts": 4, "hidden": 8, "top_k": 4}) is None
+    assert "top_k=5 must be at most experts=4" in str(
+        moe.dims_problem({"dim": 8, "experts": 4, "hidden": 8, "top_k": 5}))
+    # a kernel of one's own keys on its arguments as they are: 0 is a value, -1 is not
+    own = dataclasses.replace(ffn, ref="pkg.mod:kernel", dim_choices={})
+    assert own.dims_problem({"dim": 0, "hidden": 96}) is None
+    assert "dim=-1 must be a non-negative integer" in str(own.dims_problem({"dim": -1,
+                                                                            "hidden": 96}))

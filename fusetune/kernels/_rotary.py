@@ -15,6 +15,8 @@ output has the input's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +39,14 @@ from fusetune.spec import (
 )
 
 DIM_NAMES = ("head_dim", "heads", "interleaved")
+# How the rotated columns pair up (the dim `interleaved`), for messages.
+PAIRING = {0: "half-split pairs (i, i + head_dim/2)", 1: "interleaved pairs (2i, 2i + 1)"}
+
+
+def head_dim_problem(dims: Mapping[str, int]) -> str | None:
+    """KernelSpec.check_dims of the kernels that rotate a head's columns in pairs."""
+    hd = dims["head_dim"]
+    return None if hd % 2 == 0 else f"head_dim={hd} must be even (RoPE rotates column pairs)"
 CONFIG_KEYS = ("BLOCK_T", "BLOCK_H", "num_warps")
 
 

@@ -423,5 +423,6 @@ SPEC = KernelSpec(
                     _rmsnorm_kernel, *fp8.FP8_SOURCES, _unfused_2d, *_unfused.SOURCES),
     algorithm_sources=(_unfused_2d, *_unfused.SOURCES),
     algorithm_keys=("UNFUSED",),
+    dim_choices={"act": dict(enumerate(ACTIVATIONS))},
     **MATMUL_SPEC_FIELDS,
 )

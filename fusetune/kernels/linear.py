@@ -472,5 +472,7 @@ SPEC = KernelSpec(
                     tma_descriptors, fp8.weight_operand, _unfused_2d, *_unfused.SOURCES),
     algorithm_sources=(_unfused_2d, *_unfused.SOURCES),
     algorithm_keys=("UNFUSED",),
+    dim_choices={"bias": {0: "no bias", 1: "a bias added"},
+                 "residual": {0: "no residual", 1: "a residual added"}},
     **MATMUL_SPEC_FIELDS,
 )

@@ -717,10 +717,18 @@ def _dims_from_model(model: ModelPreset) -> dict[str, int]:
             "top_k": model.top_k}
 
 
+def _top_k_problem(dims: Mapping[str, int]) -> str | None:
+    if dims["top_k"] > dims["experts"]:
+        return (f"top_k={dims['top_k']} must be at most experts={dims['experts']} (each token "
+                "is routed to top_k distinct experts)")
+    return None
+
+
 SPEC = KernelSpec(
     name="moe",
     description="mixture-of-experts experts: grouped gate/up + SiLU·mul, then down, weighted",
     dim_names=("dim", "experts", "hidden", "top_k"),
+    check_dims=_top_k_problem,
     config_keys=CONFIG_KEYS,
     pow2_keys=("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", *DOWN_KEYS),
     make_inputs=_make_inputs,

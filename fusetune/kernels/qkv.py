@@ -64,7 +64,14 @@ from fusetune.kernels._matmul_spec import (
     weight_bytes,
 )
 from fusetune.kernels._replay import scratch
-from fusetune.kernels._rotary import as_tables, check_tables, rotary_tables, rotated
+from fusetune.kernels._rotary import (
+    PAIRING,
+    as_tables,
+    check_tables,
+    head_dim_problem,
+    rotary_tables,
+    rotated,
+)
 from fusetune.kernels.rmsnorm import _rmsnorm_kernel, norm_rows
 from fusetune.models import ModelPreset
 from fusetune.spec import (
@@ -862,6 +869,9 @@ SPEC = KernelSpec(
     # another.
     carry_same=("head_dim", "interleaved"),
     optional_dims={"qk_norm": 0},
+    dim_choices={"interleaved": PAIRING,
+                 "qk_norm": {0: "no q/k norms", 1: "each q and k head RMS-normalized"}},
+    check_dims=head_dim_problem,
     algorithm_keys=("UNFUSED",),
     **MATMUL_SPEC_FIELDS,
 )

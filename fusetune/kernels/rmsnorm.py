@@ -344,4 +344,5 @@ SPEC = KernelSpec(
     dims_from_model=_dims_from_model,
     source_objects=(_rmsnorm_kernel, _launch_2d),
     structure=_structure,
+    dim_choices={"residual": {0: "no residual", 1: "a residual added to the normalized rows"}},
 )

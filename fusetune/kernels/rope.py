@@ -123,4 +123,6 @@ SPEC = KernelSpec(
     canonical=_rotary.canonical,
     dims_from_model=_rotary.dims_from_model,
     source_objects=_rotary.SOURCES,
+    dim_choices={"interleaved": _rotary.PAIRING},
+    check_dims=_rotary.head_dim_problem,
 )

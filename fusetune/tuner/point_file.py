@@ -105,9 +105,9 @@ def _point(spec: KernelSpec, entry: Any) -> Point:
     dims = entry.get("dims")
     if not isinstance(dims, Mapping) or not spec.dims_named(dims):
         raise ValueError(f"dims {dims!r} do not match {kernel}'s {spec.dims_text}")
-    for name, value in dims.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"dims {name}={value!r} must be a non-negative integer")
+    problem = spec.dims_problem(dims)
+    if problem is not None:
+        raise ValueError(f"dims: {problem}")
     if "rows" in entry and ("batch" in entry or "seq" in entry):
         raise ValueError("give rows, or batch and seq, not both")
     batch, seq = ((entry["rows"], 1) if "rows" in entry

@@ -139,9 +139,9 @@ def parse_dims(spec: KernelSpec, model: str | None, dim: int | None,
         out = dict(dims or {})
     if not spec.dims_named(out):
         raise SearchError(f"dims {out} do not match this kernel's {spec.dims_text}")
-    for k, v in out.items():
-        if v < 0:
-            raise SearchError(f"{k}={v} must be a non-negative integer")
+    problem = spec.dims_problem(out)
+    if problem is not None:
+        raise SearchError(f"--dims: {problem}")
     return spec.short_dims(out)
 
 
