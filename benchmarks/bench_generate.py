@@ -276,9 +276,10 @@ def main() -> int:
                          "(TRITON_INTERPRET=1; timings meaningless)")
     ap.add_argument("--hf-experts", default="",
                     help="mixture-of-experts models: transformers' experts implementations to "
-                         "run hf-eager and hf-static with, comma-separated (eager, batched_mm, "
-                         "grouped_mm; each case once per name, e.g. hf-eager[grouped_mm]); "
-                         "default: the model's own")
+                         "run hf-eager and hf-static with, comma-separated (eager or a name the "
+                         "installed release registers: batched_mm, grouped_mm, and deepgemm "
+                         "and sonicmoe where their hub kernels load; each case once per name, "
+                         "e.g. hf-eager[grouped_mm]); default: the model's own")
     add_cases_option(ap, NAMED, CASES)
     args = ap.parse_args()
     cases = chosen_cases(ap, args.cases, NAMED, CASES)

@@ -1,11 +1,13 @@
 """The experts of a mixture-of-experts layer side by side on one GPU, in one process: fusetune.moe
 with the tables' config and the default heuristic's, transformers' own experts module
-(MixtralExperts, once per experts implementation of the installed release: its eager loop,
-batched_mm, grouped_mm), and a torch._grouped_mm baseline over the same grouped tokens (two
-grouped GEMMs around SiLU·mul, the routing weights and the top-k sum in torch), beside the floor
-of the weights the routed experts must read (their bytes at this run's copy rate) and a Triton
-kernel that only reads those bytes in one launch (read_only: the best of bench_decode's
-shapes), what a kernel that must read them can reach at all.
+(MixtralExperts, once per experts implementation the installed release registers: its eager
+loop, batched_mm, grouped_mm, and those from the Hugging Face hub's kernels, deepgemm and
+sonicmoe, where they load; each one left out says why), and a torch._grouped_mm baseline over
+the same grouped tokens (two grouped GEMMs around SiLU·mul, the routing weights and the top-k
+sum in torch), beside the floor of the weights the routed experts must read (their bytes at
+this run's copy rate) and a Triton kernel that only reads those bytes in one launch
+(read_only: the best of bench_decode's shapes), what a kernel that must read them can reach at
+all.
 
     python -m benchmarks.bench_moe --model mixtral-8x7b --rows 1,8,4096
 """
@@ -28,17 +30,25 @@ from fusetune.kernels.moe import SPEC, _reference
 from fusetune.models import preset
 from fusetune.spec import Point, torch_dtype
 
-IMPLS = ("tuned", "default", "hf-eager", "hf-batched_mm", "hf-grouped_mm", "grouped_mm",
-         "read_only")
+
+def hf_impl_names() -> tuple[str, ...]:
+    """transformers' experts implementations of the installed release: "eager" (the module's
+    own loop), then every name its ExpertsInterface registers (none without transformers)."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return ()
+    return ("eager", *sorted(ALL_EXPERTS_FUNCTIONS.valid_keys()))
 
 
-HF_IMPLS = ("eager", "batched_mm", "grouped_mm")  # transformers' experts implementations that
-# need no package beyond torch (its ExpertsInterface; "eager" is the module's own loop)
+HF_IMPLS = hf_impl_names()
+IMPLS = ("tuned", "default", *(f"hf-{name}" for name in HF_IMPLS), "grouped_mm", "read_only")
 
 
 def hf_experts(inputs: dict[str, Any]) -> dict[str, Any]:
     """transformers' MixtralExperts holding the case's weights, once per experts implementation
-    of the installed release ("hf-<name>"; None where the release lacks it or it fails here)."""
+    of the installed release ("hf-<name>"; None, after a note saying why, where it fails here:
+    a hub kernel that does not load, a GPU it does not support)."""
     fns: dict[str, Any] = {f"hf-{name}": None for name in HF_IMPLS}
     try:
         from transformers import MixtralConfig
@@ -60,7 +70,7 @@ def hf_experts(inputs: dict[str, Any]) -> dict[str, Any]:
 
         try:
             fn()
-        except Exception as err:  # (KeyError where the release does not register it)
+        except Exception as err:  # a kernel that does not load or run here
             print(f"note: transformers' {name} experts left out: {type(err).__name__}: {err}",
                   file=sys.stderr)
             continue

@@ -29,3 +29,34 @@ def test_read_only_grid_fits_the_launch_limits_at_mixtrals_experts() -> None:
     # (over 85,000) must lie on grid axis 0, the only one not limited to 65535
     blocks, experts = read_grid(2, 3 * 14336 * 4096, min(b for b, _, _ in READ_SHAPES))
     assert blocks > 65535 and blocks < 2**31 and experts == 2
+
+
+@pytest.mark.hf
+def test_transformers_experts_are_every_one_the_installed_release_registers(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Each name transformers' ExpertsInterface holds becomes a column; the ones that run here
+    # give the experts' result, the others (hub kernels that do not load on this machine) are
+    # left out with a note that says why.
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from benchmarks.bench_moe import IMPLS, hf_experts, hf_impl_names
+    from fusetune.kernels.moe import SPEC, _reference
+    from fusetune.spec import Point
+
+    names = hf_impl_names()
+    assert names[0] == "eager" and set(names[1:]) == set(ALL_EXPERTS_FUNCTIONS.valid_keys())
+    assert {"batched_mm", "grouped_mm"} <= set(names)
+    assert [f"hf-{n}" for n in names] == [i for i in IMPLS if i.startswith("hf-")]
+    point = Point.make("moe", {"dim": 32, "experts": 4, "hidden": 16, "top_k": 2}, 1, 5,
+                       "float32")
+    inputs = SPEC.make_inputs(point, "cpu")
+    fns = hf_experts(inputs)
+    assert set(fns) == {f"hf-{n}" for n in names}
+    assert fns["hf-eager"] is not None
+    want = _reference(inputs)["out"]
+    for name, fn in fns.items():
+        if fn is not None:
+            assert torch.allclose(fn(), want, rtol=1e-4, atol=1e-5), name
+    noted = capsys.readouterr().err
+    for name, fn in fns.items():
+        assert (fn is None) == (f"note: transformers' {name[3:]} experts left out" in noted), name
