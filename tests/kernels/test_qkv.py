@@ -588,16 +588,19 @@ def test_qk_norm_configs_pass_the_tuners_check(name: str, interleaved: int) -> N
     assert out.rel_err is not None and out.rel_err <= 1e-4
 
 
+@pytest.mark.parametrize("tma", [0, 1])
 @pytest.mark.parametrize("interleaved", [0, 1])
-def test_qk_norm_split_k_tiles_of_part_of_a_head(interleaved: int) -> None:
+def test_qk_norm_split_k_tiles_of_part_of_a_head(interleaved: int, tma: int) -> None:
     # head_dim 64: 32 pairs a head, tensor-core tiles of 16 pairs (half a head) with the K
-    # loop split; the finishing pass runs over tiles of whole heads
+    # loop split, by pointers and through TMA; the finishing pass runs over tiles of whole
+    # heads
     point = Point.make("qkv", {"dim": 64, "head_dim": 64, "interleaved": interleaved,
                                "n_heads": 2, "n_kv_heads": 1, "qk_norm": 1}, 1, 7, "float32")
     config = SPEC.canonical({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 1,
-                             "PASSES": 2, "SPLIT_K": 2, "TMA": 0, "num_warps": 2,
+                             "PASSES": 2, "SPLIT_K": 2, "TMA": tma, "num_warps": 2,
                              "num_stages": 2}, point)
-    assert config["BLOCK_N"] == 16 and not SPEC.resources(config, point).unfit
+    assert (config["BLOCK_N"], config["TMA"]) == (16, tma)
+    assert not SPEC.resources(config, point).unfit
     out = Evaluator(SPEC, point, "interpreter", "cpu").evaluate(config)
     assert out.status == "ok", out.reason
     assert out.rel_err is not None and out.rel_err <= 1e-4
