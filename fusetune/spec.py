@@ -342,9 +342,11 @@ class KernelSpec:
                     valid = ", ".join(f"{c} ({meaning})" for c, meaning in choices.items())
                     return f"{k}={v} is none of {self.name}'s choices: {valid}"
             elif v < (0 if self.ref else 1):
-                return (f"{k}={v} must be a non-negative integer" if self.ref else
-                        f"{k}={v} must be a positive integer (a size; the dims that take 0 are "
-                        f"{', '.join(self.dim_choices) or 'none'} for {self.name})")
+                if self.ref:
+                    return f"{k}={v} must be a non-negative integer"
+                switches = (f"; of {self.name}'s dims only {', '.join(self.dim_choices)} take 0"
+                            if self.dim_choices else "")
+                return f"{k}={v} must be a positive integer (a size{switches})"
         if self.check_dims is not None:
             return self.check_dims({**self.optional_dims, **dims})
         return None

@@ -192,11 +192,13 @@ def test_empty_list_items_refused(option: str, value: str) -> None:
 
 
 @pytest.mark.parametrize(("kernel", "dims", "bad"), [
-    ("rmsnorm", "dim=0", "dim=0 must be a positive integer (a size; the dims that take 0 are "
-                         "residual for rmsnorm)"),
+    ("rmsnorm", "dim=0", "dim=0 must be a positive integer (a size; of rmsnorm's dims only "
+                         "residual take 0)"),
     ("rmsnorm", "dim=-64", "dim=-64 must be a positive integer"),
-    ("ffn", "dim=64,hidden=0", "hidden=0 must be a positive integer (a size; the dims that "
-                               "take 0 are act for ffn)"),
+    ("ffn", "dim=64,hidden=0", "hidden=0 must be a positive integer (a size; of ffn's dims "
+                               "only act take 0)"),
+    ("moe", "dim=64,experts=0,hidden=48,top_k=2", "experts=0 must be a positive integer (a "
+                                                  "size)"),
     ("rope", "heads=4,head_dim=16,interleaved=2",
      "interleaved=2 is none of rope's choices: 0 (half-split pairs (i, i + head_dim/2)), 1 "
      "(interleaved pairs (2i, 2i + 1))"),
