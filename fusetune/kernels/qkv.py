@@ -646,8 +646,7 @@ def qkv(
             return _MEMO.first(memo_key, inputs, cfg, since, run)
     else:
         cfg = SPEC.validate_config(config)
-        if (qk is not None and not _unfused.unfused(cfg) and cfg["SPLIT_K"] == 1
-                and (cfg["BLOCK_N"] % (head_dim // 2) or cfg["SPREAD"])):
+        if qk is not None and _cuts_heads(cfg, head_dim // 2):
             raise ConfigError(
                 f"qkv: with q_norm and k_norm a tile must hold whole heads: BLOCK_N="
                 f"{cfg['BLOCK_N']} pairs must be a multiple of head_dim/2 = {head_dim // 2}, "
@@ -812,16 +811,22 @@ def _canonical(config: Config, point: Point) -> Config:
     return matmul_canonical(config, point, _pairs(point), point.dim["dim"], has_tma)
 
 
+def _cuts_heads(config: Config, half: int) -> bool:
+    """Whether `config` finishes its products in tiles of part of a head (or of pairs spread
+    over the matrix), which the q/k norms cannot take: the per-head norm needs a head's every
+    column in one program. A split-K config's finishing pass has tiles of whole heads
+    (_launch_2d); the unfused form normalizes with the rmsnorm kernel."""
+    return (not _unfused.unfused(config) and config["SPLIT_K"] == 1
+            and bool(config["BLOCK_N"] % half or config.get("SPREAD")))
+
+
 def _resources(config: Config, point: Point) -> Resources:
     # Columns a and b of each pair: two weight tiles per K-step, two accumulators staged for
     # the epilogue; more base registers than ffn's for the RoPE epilogue.
     res = matmul_resources(config, point, n_weights=2, epilogue=True, base_regs=48,
                            unfused=True)
     half = point.dim["head_dim"] // 2
-    # The per-head norm needs a head's every column in one program: the tile's own where it
-    # finishes the product itself; with split-K the finishing pass has tiles of whole heads.
-    if (SPEC.dim_value(point, "qk_norm") and not res.unfit and not _unfused.unfused(config)
-            and config["SPLIT_K"] == 1 and (config["BLOCK_N"] % half or config.get("SPREAD"))):
+    if SPEC.dim_value(point, "qk_norm") and not res.unfit and _cuts_heads(config, half):
         return dataclasses.replace(res, unfit=f"qk_norm: a tile must hold whole heads "
                                               f"(BLOCK_N a multiple of {half} pairs, SPREAD 0) "
                                               f"or the K loop be split (SPLIT_K > 1)")
