@@ -12,6 +12,7 @@ from fusetune import export, gpus
 from fusetune.db.store import Store
 from fusetune.kernels import get_spec
 from fusetune.spec import Config, Point
+from fusetune.tuner.bench import Outcome
 from fusetune.tuner.search import open_storage
 from fusetune.tuner.space import config_key, load_space, make_plan
 from fusetune.tuner.study import Context, PointResult, PointTuner, SearchOptions
@@ -160,3 +161,33 @@ def test_each_re_timing_round_starts_one_finalist_further_on(url: str) -> None:
     assert len(timer.order) == 12 and len(set(first)) == 4
     assert timer.order[4:8] == first[1:] + first[:1]
     assert timer.order[8:] == first[2:] + first[:2]
+
+
+class EvaluatingTimer(BiasedTimer):
+    """BiasedTimer that also evaluates configs (checked and timed once), and counts them."""
+
+    def __init__(self, favourite: Config) -> None:
+        super().__init__(favourite)
+        self.evaluated: list[str] = []
+
+    def evaluate(self, config: Config) -> Outcome:
+        self.evaluated.append(config_key(config))
+        t = self.timing(config)[0]
+        return Outcome("ok", time_us=t, p20_us=t, p80_us=t)
+
+
+def test_a_point_that_reached_its_budget_without_the_default_has_it_timed_at_the_finish(
+        db_url: str) -> None:
+    # A search killed while the default ran, resumed once the point had its budget: the
+    # default was never stored. The winner must still be judged against it.
+    timer = EvaluatingTimer(CONFIGS[0])
+    t = tuner(db_url, timer)
+    for i, c in enumerate(CONFIGS[:3]):
+        t.ctx.store.record(t.point_id, config_key(c), c, "ok", time_us=6.0 + i)
+    res = t.finish()
+    assert timer.evaluated == [config_key(DEFAULT)]
+    assert shown(res) == stored(db_url) == (config_key(CONFIGS[0]), 5.0, 10.0)
+    assert Store(db_url).results(t.point_id)[config_key(DEFAULT)].status == "ok"
+    # Stored now: a later finish does not evaluate it again.
+    tuner(db_url, timer).finish()
+    assert timer.evaluated == [config_key(DEFAULT)]

@@ -448,10 +448,11 @@ class PointTuner:
             pending = {i: k for i, k in pending.items() if i in live}
 
     def finish(self) -> PointResult:
-        """Re-times the best few beside the default (and the point's stored winner, if it has
-        one), interleaved; stores the fastest as the winner (picked from every stored result of
-        the point, other searches' too) and reports the winner the database holds then. A
-        point whose stored winner was picked from the results it has now is reported as it is.
+        """Re-times the best few beside the default (evaluated first where the point has no
+        result of it) and the point's stored winner, if it has one, interleaved; stores the
+        fastest as the winner (picked from every stored result of the point, other searches'
+        too) and reports the winner the database holds then. A point whose stored winner was
+        picked from the results it has now is reported as it is.
 
         Like with like: the stored winner is replaced only by a pick re-timed beside it in this
         session. Where another search stored a winner meanwhile (two finishing one point at
@@ -459,6 +460,11 @@ class PointTuner:
         shows the winner that is stored and exported."""
         self._wait_for_others()
         self._refresh()
+        dkey = config_key(self.default)
+        if dkey not in self.results and dkey not in self._claims_elsewhere().values():
+            # The default is what every entry is judged by (default_us, `marginal`). A point
+            # can reach its budget without it: a search killed while the default ran, resumed.
+            self._evaluate(self.default, None)
         seen = self.ctx.store.winner(self.point_id)
         cost = self.spec.cost(self.point)
         res = PointResult(self.point, cost, default_config=self.default,
@@ -474,7 +480,6 @@ class PointTuner:
                     key=lambda r: r.time_us)
         if not ok:
             return _reported(res, seen)
-        dkey = config_key(self.default)
         finalists = [dict(r.config) for r in ok[: self.options.finalists]]
         default_ok = dkey in self.results and self.results[dkey].status == "ok"
         if default_ok and all(config_key(c) != dkey for c in finalists):
