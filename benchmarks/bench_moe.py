@@ -9,7 +9,12 @@ this run's copy rate) and a Triton kernel that only reads those bytes in one lau
 (read_only: the best of bench_decode's shapes), what a kernel that must read them can reach at
 all.
 
-    python -m benchmarks.bench_moe --model mixtral-8x7b --rows 1,8,4096
+A lone layer's graph replay pays the graph's launch before its first kernel: at a few tokens a
+large part of the experts' time. In a model every layer runs in one graph, back to back:
+--layers N times N layers' calls in one graph, each layer its own weights and routing, and
+reports the time per layer (every implementation the same way).
+
+    python -m benchmarks.bench_moe --model mixtral-8x7b --rows 1,8,4096 [--layers 8]
 """
 
 from __future__ import annotations
@@ -157,35 +162,63 @@ def read_only(inputs: dict[str, Any]) -> Any:
     return best[1]
 
 
-def make_case(rows: int, dims: dict[str, int], dtype: str, weights: str,
-              gpu: Any) -> dict[str, Any]:
-    point = Point.make("moe", dims, 1, rows, dtype, weights)
-    torch.manual_seed(0)
-    inputs = SPEC.make_inputs(point, "cuda")
-    tuned_cfg = fusetune.lookup("moe", dims, dtype, rows=rows, weights=weights)
-    default_cfg = SPEC.canonical(SPEC.default_config(point, gpu), point)
-    ref = _reference(inputs)["out"]
-
+def layer_fns(inputs: dict[str, Any], point: Point, tuned_cfg: dict[str, int],
+              default_cfg: dict[str, int]) -> tuple[dict[str, Any], float, int]:
+    """One layer's implementations over `inputs`, fusetune.moe's relative error against the
+    reference, and the number of experts its routing uses."""
     def fused(config: dict[str, int] | None = None) -> torch.Tensor:
         return fusetune.moe(inputs["x"], inputs["gate_up"], inputs["down"], inputs["topk_ids"],
                             inputs["topk_weights"], gate_up_scale=inputs["gate_up_scale"],
                             down_scale=inputs["down_scale"], config=config)
 
     base = inputs  # what the baselines take: 16-bit weights, the dequantized ones
-    if weights:
-        base = {**inputs, **{name: fp8.spec_dequantized(inputs, name).to(torch_dtype(dtype))
-                             for name in ("gate_up", "down")}}
-
+    if point.weights:
+        base = {**inputs, **{name: fp8.spec_dequantized(inputs, name).to(
+            torch_dtype(point.dtype)) for name in ("gate_up", "down")}}
+    ref = _reference(inputs)["out"]
     err = float((fused().float() - ref).norm() / ref.norm())
-    assert err < SPEC.tolerance[dtype], f"moe wrong: rel err {err}"
-    used = int(inputs["topk_ids"].unique().numel())
-    elt = fp8.operand_bytes(point)[1]
-    weight_bytes = used * 3 * dims["hidden"] * dims["dim"] * elt
+    assert err < SPEC.tolerance[point.dtype], f"moe wrong: rel err {err}"
     fns = {"tuned": fused, "default": lambda: fused(default_cfg), **hf_experts(base),
            "grouped_mm": grouped_mm(base), "read_only": read_only(inputs)}
-    return {"label": f"T={rows} ({used} experts used)", "dtype": dtype + (
-                f", {weights}" if weights else ""), "fns": fns,
-            "tuned_cfg": tuned_cfg, "default_cfg": default_cfg, "rel_err": err,
+    return fns, err, int(inputs["topk_ids"].unique().numel())
+
+
+def chained(fns: list[Any]) -> Any:
+    """One call that runs `fns` in turn (a model's layers, one after the other); None where
+    any of them is None."""
+    if any(f is None for f in fns):
+        return None
+
+    def run_() -> object:
+        for f in fns:
+            out = f()
+        return out
+
+    return run_
+
+
+def make_case(rows: int, dims: dict[str, int], dtype: str, weights: str,
+              gpu: Any, layers: int = 1) -> dict[str, Any]:
+    """A case of `layers` layers (each its own weights and routing, seeded by its index),
+    each implementation's call running them all; its floor's bytes those of every layer's
+    routed experts."""
+    point = Point.make("moe", dims, 1, rows, dtype, weights)
+    tuned_cfg = fusetune.lookup("moe", dims, dtype, rows=rows, weights=weights)
+    default_cfg = SPEC.canonical(SPEC.default_config(point, gpu), point)
+    per_layer, errs, used = [], [], []
+    for i in range(layers):
+        torch.manual_seed(i)
+        fns, err, n = layer_fns(SPEC.make_inputs(point, "cuda"), point, tuned_cfg, default_cfg)
+        per_layer.append(fns)
+        errs.append(err)
+        used.append(n)
+    elt = fp8.operand_bytes(point)[1]
+    weight_bytes = sum(used) * 3 * dims["hidden"] * dims["dim"] * elt
+    label = (f"T={rows} ({used[0]} experts used)" if layers == 1 else
+             f"T={rows} ({sum(used) / layers:.1f} experts used a layer)")
+    return {"label": label, "dtype": dtype + (f", {weights}" if weights else ""),
+            "fns": {k: chained([f[k] for f in per_layer]) for k in per_layer[0]},
+            "tuned_cfg": tuned_cfg, "default_cfg": default_cfg, "rel_err": max(errs),
             "weight_bytes": weight_bytes}
 
 
@@ -204,18 +237,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--weights", default="", help="fp8-e4m3 or fp8-e5m2: fusetune.moe's weights "
                     "(the baselines run the dequantized 16-bit ones); default: 16-bit")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="layers timed in one call (one CUDA graph), each its own weights and "
+                         "routing, as in a model; every figure is then per layer (default: 1, "
+                         "a lone layer)")
     args = ap.parse_args(argv)
+    if args.layers < 1:
+        ap.error(f"--layers must be at least 1, not {args.layers}")
     gpu = start(args)
     if gpu is None:
         return 2
     dims = SPEC.dims_from_model(preset(args.model))
-    cases = [make_case(int(m), dims, dt, args.weights, gpu)
+    cases = [make_case(int(m), dims, dt, args.weights, gpu, args.layers)
              for dt in args.dtype.split(",") for m in args.rows.split(",")]
-    medians, host = run(args, cases)
+    totals, host_totals = run(args, cases)
+    n = args.layers  # every figure per layer
+    medians = [{k: None if v is None else v / n for k, v in t.items()} for t in totals]
+    host = {k: v / n for k, v in host_totals.items()}
+    for case in cases:
+        case["weight_bytes"] /= n
     bw = copy_tbs()
     impls = args.impls.split(",")
+    per_layer = "" if n == 1 else f"; per layer, {n} layers' calls back to back in one graph"
     head = heading(gpu, f"{args.model} experts {dims}; weights floor: the routed experts' "
-                        f"bytes at this run's copy rate, {bw:.2f} TB/s", graphs=not args.no_graph)
+                        f"bytes at this run's copy rate, {bw:.2f} TB/s{per_layer}",
+                   graphs=not args.no_graph)
     cols = ["dtype", "tokens", "weights floor µs", *impls, "tuned / grouped_mm",
             "tuned / fastest transformers",
             "weights TB/s (tuned)", "floor / tuned", "read_only / tuned",

@@ -60,3 +60,14 @@ def test_transformers_experts_are_every_one_the_installed_release_registers(
     noted = capsys.readouterr().err
     for name, fn in fns.items():
         assert (fn is None) == (f"note: transformers' {name[3:]} experts left out" in noted), name
+
+
+def test_layers_run_one_after_the_other_in_one_call() -> None:
+    # --layers: each implementation's call runs every layer's in turn (one graph, as in a
+    # model); one implementation missing at any layer leaves it out at all of them.
+    from benchmarks.bench_moe import chained
+
+    order: list[int] = []
+    call = chained([lambda i=i: order.append(i) or i for i in range(3)])
+    assert call is not None and call() == 2 and order == [0, 1, 2]
+    assert chained([lambda: 0, None]) is None
