@@ -174,6 +174,9 @@ def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str
     for k, v in dims.items():
         if not _is_int(v) or v < 0:
             raise TableError(f"{where}: dims.{k}={v!r} must be a non-negative integer")
+    problem = spec.choices_problem(dims)
+    if problem is not None:
+        raise TableError(f"{where}: dims: {problem}")
     if raw["dtype"] not in spec.dtypes:
         raise TableError(f"{where}: dtype {raw['dtype']!r} is not one of "
                          f"{', '.join(spec.dtypes)}")
@@ -792,8 +795,9 @@ def cached_config(spec: KernelSpec, dims: tuple[tuple[str, int], ...], dtype: st
 
 
 def _check_dims(spec: KernelSpec, dims: Mapping[str, int]) -> None:
-    """ValueError naming the dims that are missing or unknown to spec's kernel, or not a
-    non-negative integer (the launchers pass their tensors' shapes and need no check)."""
+    """ValueError naming the dims that are missing or unknown to spec's kernel, not a
+    non-negative integer, or not a value the kernel takes (KernelSpec.choices_problem); the
+    launchers pass their tensors' shapes and need no check."""
     names = spec.dim_names
     if not spec.dims_named(dims):
         missing = [k for k in names if k not in dims]
@@ -805,6 +809,9 @@ def _check_dims(spec: KernelSpec, dims: Mapping[str, int]) -> None:
     for k, v in dims.items():
         if not _is_int(v) or v < 0:
             raise ValueError(f"{spec.name}: dims.{k}={v!r} must be a non-negative integer")
+    problem = spec.choices_problem(dims)
+    if problem is not None:
+        raise ValueError(f"{spec.name}: dims: {problem}")
 
 
 def _query(spec: KernelSpec, dims: Mapping[str, int], dtype: str, rows: int, weights: str,

@@ -336,17 +336,24 @@ class KernelSpec:
         for k, v in dims.items():
             if not isinstance(v, int) or isinstance(v, bool):
                 return f"{k}={v!r} must be an integer"
-            choices = self.dim_choices.get(k)
-            if choices is not None:
-                if v not in choices:
-                    valid = ", ".join(f"{c} ({meaning})" for c, meaning in choices.items())
-                    return f"{k}={v} is none of {self.name}'s choices: {valid}"
-            elif v < (0 if self.ref else 1):
+            if k not in self.dim_choices and v < (0 if self.ref else 1):
                 if self.ref:
                     return f"{k}={v} must be a non-negative integer"
                 switches = (f"; of {self.name}'s dims only {', '.join(self.dim_choices)} take 0"
                             if self.dim_choices else "")
                 return f"{k}={v} must be a positive integer (a size{switches})"
+        return self.choices_problem(dims)
+
+    def choices_problem(self, dims: Mapping[str, int]) -> str | None:
+        """What is wrong with `dims` (integers) beyond their being sizes, or None: a switch or
+        choice outside its `dim_choices` (the message names the valid ones), then what
+        `check_dims` finds. The lookup and the tables judge their dims by this too, where a
+        size may be 0."""
+        for k, v in dims.items():
+            choices = self.dim_choices.get(k)
+            if choices is not None and v not in choices:
+                valid = ", ".join(f"{c} ({meaning})" for c, meaning in choices.items())
+                return f"{k}={v} is none of {self.name}'s choices: {valid}"
         if self.check_dims is not None:
             return self.check_dims({**self.optional_dims, **dims})
         return None

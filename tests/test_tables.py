@@ -109,11 +109,14 @@ def _set_block(value: Any):
         (lambda e: e.__setitem__("batch", 0), r"batch=0 must be a positive integer"),
         (lambda e: e.__setitem__("dims", {"hidden": 64}), r"dims must be a mapping of dim"),
         (lambda e: e["dims"].__setitem__("dim", -1), r"dims\.dim=-1"),
+        # a switch's value outside its choices keys nothing any lookup asks for
+        (lambda e: e["dims"].__setitem__("residual", 2),
+         r"dims: residual=2 is none of rmsnorm's choices: 0 \(no residual\), 1 \(a resid"),
         (lambda e: e.__setitem__("time_us", "fast"), r"time_us='fast' must be a number"),
     ],
     ids=["no-config", "float-block", "str-block", "non-pow2-block", "bool-block",
          "missing-key", "unknown-key", "unknown-field", "bad-dtype", "zero-batch", "bad-dims",
-         "negative-dim", "str-time"],
+         "negative-dim", "bad-switch", "str-time"],
 )
 def test_bad_entry_named_in_error(tmp_path: Path, change, match: str) -> None:
     path = write(tmp_path / "bad.yaml", _bad_second_entry(change))
@@ -518,12 +521,31 @@ def test_lookup_argument_errors() -> None:
      r"ffn: missing dim hidden, unknown dim hiden; ffn's dims are dim, hidden"),
     ({"dim": 4096, "hidden": 11000.0}, r"ffn: dims\.hidden=11000\.0 must be a non-negative int"),
     ({"dim": -1, "hidden": 11000}, r"ffn: dims\.dim=-1 must be a non-negative integer"),
+    # a value the kernel does not take is an error, not a miss that serves the default
+    ({"dim": 4096, "hidden": 11000, "act": 3},
+     r"ffn: dims: act=3 is none of ffn's choices: 0 \(silu\), 1 \(gelu_tanh\)"),
 ])
 def test_lookup_names_missing_and_unknown_dims(dims: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         fusetune.lookup("ffn", dims, "float16", rows=1, gpu="h100")
     with pytest.raises(ValueError, match=r"unknown kernel 'fnn'; valid: ffn, .*rmsnorm"):
         fusetune.lookup("fnn", FFN_DIMS, "float16", rows=1, gpu="h100")
+
+
+@pytest.mark.parametrize(("kernel", "dims", "match"), [
+    ("qkv", {"dim": 4096, "n_heads": 32, "n_kv_heads": 8, "head_dim": 127, "interleaved": 0},
+     r"qkv: dims: head_dim=127 must be even"),
+    ("qkv", {"dim": 4096, "n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "interleaved": 0,
+             "qk_norm": 2}, r"qkv: dims: qk_norm=2 is none of qkv's choices"),
+    ("moe", {"dim": 2048, "experts": 4, "hidden": 768, "top_k": 8},
+     r"moe: dims: top_k=8 must be at most experts=4"),
+])
+def test_lookup_refuses_dims_the_kernel_does_not_take(kernel: str, dims: dict[str, int],
+                                                      match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fusetune.lookup(kernel, dims, "bfloat16", rows=1, gpu="h100")
+    with pytest.raises(ValueError, match=match):
+        fusetune.resolve(kernel, dims, "bfloat16", rows=1, gpu="h100")
 
 
 def test_reset_forgets_loaded_tables(tmp_path: Path) -> None:
