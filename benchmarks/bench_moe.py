@@ -20,6 +20,7 @@ reports the time per layer (every implementation the same way).
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -163,9 +164,11 @@ def read_only(inputs: dict[str, Any]) -> Any:
 
 
 def layer_fns(inputs: dict[str, Any], point: Point, tuned_cfg: dict[str, int],
-              default_cfg: dict[str, int]) -> tuple[dict[str, Any], float, int]:
-    """One layer's implementations over `inputs`, fusetune.moe's relative error against the
-    reference, and the number of experts its routing uses."""
+              default_cfg: dict[str, int], impls: Sequence[str]
+              ) -> tuple[dict[str, Any], float, int]:
+    """One layer's implementations over `inputs` (fusetune.moe's two and those of `impls`),
+    fusetune.moe's relative error against the reference, and the number of experts its
+    routing uses."""
     def fused(config: dict[str, int] | None = None) -> torch.Tensor:
         return fusetune.moe(inputs["x"], inputs["gate_up"], inputs["down"], inputs["topk_ids"],
                             inputs["topk_weights"], gate_up_scale=inputs["gate_up_scale"],
@@ -178,8 +181,13 @@ def layer_fns(inputs: dict[str, Any], point: Point, tuned_cfg: dict[str, int],
     ref = _reference(inputs)["out"]
     err = float((fused().float() - ref).norm() / ref.norm())
     assert err < SPEC.tolerance[point.dtype], f"moe wrong: rel err {err}"
-    fns = {"tuned": fused, "default": lambda: fused(default_cfg), **hf_experts(base),
-           "grouped_mm": grouped_mm(base), "read_only": read_only(inputs)}
+    fns = {"tuned": fused, "default": lambda: fused(default_cfg)}
+    if any(i.startswith("hf-") for i in impls):  # (each holds a copy of the experts first)
+        fns.update(hf_experts(base))
+    if "grouped_mm" in impls:
+        fns["grouped_mm"] = grouped_mm(base)
+    if "read_only" in impls:
+        fns["read_only"] = read_only(inputs)
     return fns, err, int(inputs["topk_ids"].unique().numel())
 
 
@@ -198,7 +206,7 @@ def chained(fns: list[Any]) -> Any:
 
 
 def make_case(rows: int, dims: dict[str, int], dtype: str, weights: str,
-              gpu: Any, layers: int = 1) -> dict[str, Any]:
+              gpu: Any, impls: Sequence[str] = IMPLS, layers: int = 1) -> dict[str, Any]:
     """A case of `layers` layers (each its own weights and routing, seeded by its index),
     each implementation's call running them all; its floor's bytes those of every layer's
     routed experts."""
@@ -208,7 +216,8 @@ def make_case(rows: int, dims: dict[str, int], dtype: str, weights: str,
     per_layer, errs, used = [], [], []
     for i in range(layers):
         torch.manual_seed(i)
-        fns, err, n = layer_fns(SPEC.make_inputs(point, "cuda"), point, tuned_cfg, default_cfg)
+        fns, err, n = layer_fns(SPEC.make_inputs(point, "cuda"), point, tuned_cfg, default_cfg,
+                                impls)
         per_layer.append(fns)
         errs.append(err)
         used.append(n)
@@ -248,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     if gpu is None:
         return 2
     dims = SPEC.dims_from_model(preset(args.model))
-    cases = [make_case(int(m), dims, dt, args.weights, gpu, args.layers)
+    impls = args.impls.split(",")
+    cases = [make_case(int(m), dims, dt, args.weights, gpu, impls, args.layers)
              for dt in args.dtype.split(",") for m in args.rows.split(",")]
     totals, host_totals = run(args, cases)
     n = args.layers  # every figure per layer
@@ -257,7 +267,6 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         case["weight_bytes"] /= n
     bw = copy_tbs()
-    impls = args.impls.split(",")
     per_layer = "" if n == 1 else f"; per layer, {n} layers' calls back to back in one graph"
     head = heading(gpu, f"{args.model} experts {dims}; weights floor: the routed experts' "
                         f"bytes at this run's copy rate, {bw:.2f} TB/s{per_layer}",
