@@ -1145,13 +1145,11 @@ def _kernel_filter(kernel: str | None, store: Any) -> str | None:
 def export(path: str, gpu_name: str | None, kernel: str | None, db: str, update: bool) -> None:
     """Write the winners in the database to the lookup table PATH (YAML).
 
-    Each entry's time_us is the median of the winner's stored timing and p20_us, p80_us its
-    20th and 80th percentiles: one set of timings, so that p20_us <= time_us <= p80_us;
-    default_us, default_p20_us and default_p80_us are the same of the default heuristic's
-    config. A config whose stored timing has no percentiles (or that has none) gets its
-    re-timed median, the one the winner was chosen by, and no percentiles. `marginal`: the
-    winner's median is less than 1% below the default's (GPU timings only), so the lookup runs
-    the default there.
+    Each entry's time_us and default_us are the winner's and the default heuristic's config's
+    medians in the interleaved re-timing that picked the winner; p20_us, p80_us (and
+    default_p20_us, default_p80_us) the 20th and 80th percentiles of the config's first
+    timing, written where they bracket that median. `marginal`: the winner's median is less
+    than 1% below the default's (GPU timings only), so the lookup runs the default there.
     """
     from fusetune.export import build_tables, update_tables
     from fusetune.tables import TableError

@@ -74,36 +74,34 @@ def _entry_source(kernel: str, kernel_hash: str, config: dict[str, int]) -> str:
 
 
 def _timings(store: Store, point_id: int, winner: Any, judge: bool) -> dict[str, Any]:
-    """An entry's timings, in µs. `time_us`, `p20_us`, `p80_us`: the median and the 20th and
-    80th percentiles of the winner config's stored timing, one set of timings (so that p20_us
-    <= time_us <= p80_us); `default_us`, `default_p20_us`, `default_p80_us` the same of the
-    default config. Where the database holds no such timing of a config (none, or one without
-    its percentiles), its median is the re-timed one of the winner row (the timing the winner
-    was chosen by), without percentiles. With `judge` (timings of a GPU, not the interpreter's
-    wall clock), `marginal` where the winner's median is not MARGINAL below the default's, as
-    written (the lookup then runs the default: a win within the medians' noise is no reason to
-    leave it)."""
+    """An entry's timings, in µs. `time_us` and `default_us`: the medians of the interleaved
+    re-timing that picked the winner (the winner row's: like with like); where the row lacks
+    one (a default that was not re-timed), the config's stored timing's median. `p20_us`,
+    `p80_us` (`default_p20_us`, `default_p80_us`): the 20th and 80th percentiles of the
+    config's stored timing (its trial), written where they bracket the median written, so
+    that p20_us <= time_us <= p80_us wherever a spread is written. With `judge` (timings of a
+    GPU, not the interpreter's wall clock), `marginal` where the winner's median is not
+    MARGINAL below the default's, as written (the lookup then runs the default: a win within
+    the medians' noise is no reason to leave it). Judged on the re-timing: first timings,
+    taken minutes apart, had flagged winners that the re-timing had found faster."""
     from fusetune.tuner.space import config_key
 
     results = store.results(point_id)
-    times: dict[str, float | None] = {}
-    spreads: dict[str, tuple[float, float]] = {}
-    for prefix, config, retimed in (("", winner.config, winner.time_us),
-                                    ("default_", winner.default_config, winner.default_us)):
+    out: dict[str, Any] = {}
+    for name, prefix, config, retimed in (
+            ("time_us", "", winner.config, winner.time_us),
+            ("default_us", "default_", winner.default_config, winner.default_us)):
         r = results.get(config_key(config))
-        stored = r.time_us if r is not None and r.status == "ok" else None
-        if stored is not None and r.p20_us is not None and r.p80_us is not None:
-            times[prefix] = stored
-            spreads[prefix] = (r.p20_us, r.p80_us)
-        else:
-            times[prefix] = retimed if retimed is not None else stored
-    won, default = times[""], times["default_"]
-    out: dict[str, Any] = {"time_us": None if won is None else round(won, 3),
-                           "default_us": None if default is None else round(default, 3)}
-    for prefix, (p20, p80) in spreads.items():
-        out[f"{prefix}p20_us"], out[f"{prefix}p80_us"] = round(p20, 3), round(p80, 3)
+        stored = r if r is not None and r.status == "ok" and r.time_us is not None else None
+        median = retimed if retimed is not None else None if stored is None else stored.time_us
+        out[name] = None if median is None else round(median, 3)
+        if (median is not None and stored is not None and stored.p20_us is not None
+                and stored.p80_us is not None and stored.p20_us <= median <= stored.p80_us):
+            out[f"{prefix}p20_us"] = round(stored.p20_us, 3)
+            out[f"{prefix}p80_us"] = round(stored.p80_us, 3)
+    won, default = out["time_us"], out["default_us"]
     if judge and won is not None and default is not None:
-        out["marginal"] = is_marginal(round(won, 3), round(default, 3))
+        out["marginal"] = is_marginal(won, default)
     return out
 
 

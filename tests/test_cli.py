@@ -555,12 +555,18 @@ def test_search_show_export_lookup(db_url: str, tmp_path: Path, fresh_tables: No
     exported = invoke("export", str(out), "--db", db_url)
     assert exported.exit_code == 0, exported.output
     assert "wrote 4 entries for interpreter" in exported.output
-    # Each entry's time and spread are one stored timing's: the median within p20-p80.
+    # Each entry's medians are the re-timing's that picked its winner; a spread, where one is
+    # written, brackets its median.
     (entries,) = yaml.safe_load(out.read_text())["gpus"]["interpreter"].values()
     assert len(entries) == 4
+    retimed = {(p.batch, p.seq): (w.time_us, w.default_us)
+               for p, w in Store(db_url).winners(gpu="interpreter")}
     for e in entries:
-        assert e["p20_us"] <= e["time_us"] <= e["p80_us"], e
-        assert e["default_p20_us"] <= e["default_us"] <= e["default_p80_us"], e
+        w_us, d_us = retimed[(e["batch"], e["seq"])]
+        assert (e["time_us"], e["default_us"]) == (round(w_us, 3), round(d_us, 3)), e
+        assert e.get("p20_us", e["time_us"]) <= e["time_us"] <= e.get("p80_us", e["time_us"])
+        assert (e.get("default_p20_us", e["default_us"]) <= e["default_us"]
+                <= e.get("default_p80_us", e["default_us"])), e
 
     fusetune.load_tables(out)
     winners = {(p.batch, p.seq): w.config for p, w in Store(db_url).winners(gpu="interpreter")}

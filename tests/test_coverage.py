@@ -259,10 +259,11 @@ def test_export_writes_the_spread_and_marks_marginal_wins(tmp_path: Path) -> Non
     assert (by_dim[128]["default_p20_us"], by_dim[128]["default_p80_us"]) == (9.7, 10.7)
 
 
-def test_exported_time_lies_within_its_p20_p80(tmp_path: Path) -> None:
-    # The winner's re-timed median (what picked it) may fall outside the spread of its stored
-    # timing: the entry's time_us, p20_us and p80_us are all three of that stored timing, and
-    # so are the default's.
+def test_exported_times_are_the_re_timing_that_picked_the_winner(tmp_path: Path) -> None:
+    # The winner was picked by re-timing the finalists and the default interleaved: the
+    # entry's medians, and so its `marginal`, are that re-timing's (like with like), not the
+    # first timings taken minutes apart. A first timing's spread is written where it brackets
+    # the median written.
     from fusetune.db.store import PointKey, Store
     from fusetune.export import build_tables
     from fusetune.tuner.space import config_key
@@ -271,31 +272,45 @@ def test_exported_time_lies_within_its_p20_p80(tmp_path: Path) -> None:
     default = {"BLOCK_D": 64, "ROWS": 1, "num_warps": 4, "num_stages": 1}
     won = {**default, "num_warps": 8}
     untimed = {**default, "num_warps": 16}  # a winner the database holds no timing of
-    for dim, winner in ((64, won), (128, untimed)):
+
+    def point(dim: int, first: dict[str, tuple[float, ...]], winner: dict[str, int],
+              won_us: float, default_us: float | None) -> dict[str, Any]:
         pid = store.point_id(PointKey("h100-sxm", "rmsnorm", {"dim": dim}, 1, 1, "float16", "",
                                       "cuda", "k", "3.6.0", "2.11"))
-        for c, (p20, p50, p80) in ((won, (5.5, 6.0, 6.5)), (default, (9.0, 10.0, 11.0))):
+        for c in (won, default):
+            p20, p50, p80 = (*first[config_key(c)], None, None)[:3]
             store.record(pid, config_key(c), c, "ok", time_us=p50, p20_us=p20, p80_us=p80)
-        store.set_winner(pid, winner, 5.0, default, 11.5, 1, 1, 2)  # re-timed medians
-    by_dim = {e["dims"]["dim"]: e for e in build_tables(store)["gpus"]["h100-sxm"]["rmsnorm"]}
-    e = by_dim[64]
-    assert e["p20_us"] <= e["time_us"] <= e["p80_us"], e
-    assert e["default_p20_us"] <= e["default_us"] <= e["default_p80_us"], e
-    assert (e["p20_us"], e["time_us"], e["p80_us"]) == (5.5, 6.0, 6.5)
-    assert (e["default_p20_us"], e["default_us"], e["default_p80_us"]) == (9.0, 10.0, 11.0)
-    assert e["marginal"] is False  # 40% below the default
-    e = by_dim[128]  # no stored timing of the winner: its re-timed median, and no spread
+        store.set_winner(pid, winner, won_us, default, default_us, 1, 1, 2)
+        (e,) = [e for e in build_tables(store)["gpus"]["h100-sxm"]["rmsnorm"]
+                if e["dims"]["dim"] == dim]
+        return e
+
+    spreads = {config_key(won): (5.5, 6.0, 6.5), config_key(default): (9.0, 10.0, 11.0)}
+    # re-timed medians outside the first timings' spreads: written without them
+    e = point(64, spreads, won, 5.0, 11.5)
+    assert (e["time_us"], e["default_us"], e["marginal"]) == (5.0, 11.5, False), e
+    assert not {"p20_us", "p80_us", "default_p20_us", "default_p80_us"} & set(e), e
+    # inside them: written with them
+    e = point(128, spreads, won, 6.2, 9.5)
+    assert (e["p20_us"], e["time_us"], e["p80_us"]) == (5.5, 6.2, 6.5), e
+    assert (e["default_p20_us"], e["default_us"], e["default_p80_us"]) == (9.0, 9.5, 11.0), e
+    # the first timings had the default ahead, the re-timing the winner by 3%: the winner runs
+    first = {config_key(won): (10.0, 10.3, 10.6), config_key(default): (9.8, 10.1, 10.4)}
+    e = point(256, first, won, 9.8, 10.1)
+    assert (e["time_us"], e["default_us"], e["marginal"]) == (9.8, 10.1, False), e
+    # and a re-timing within 1%: marginal, whatever the first timings said
+    first = {config_key(won): (9.0, 9.2, 9.4), config_key(default): (10.0, 10.3, 10.6)}
+    assert point(512, first, won, 10.05, 10.1)["marginal"] is True
+    # no stored timing of the winner: its re-timed median, and no spread
+    e = point(1024, spreads, untimed, 5.0, 11.5)
     assert e["time_us"] == 5.0 and "p20_us" not in e and "p80_us" not in e, e
-    assert (e["default_p20_us"], e["default_us"], e["default_p80_us"]) == (9.0, 10.0, 11.0)
-    # A stored timing without its percentiles (a database of an older fusetune): the re-timed
-    # medians, the win judged by them.
-    pid = store.point_id(PointKey("h100-sxm", "rmsnorm", {"dim": 256}, 1, 1, "float16", "",
-                                  "cuda", "k", "3.6.0", "2.11"))
-    for c, us in ((won, 6.0), (default, 10.0)):
-        store.record(pid, config_key(c), c, "ok", time_us=us)
-    store.set_winner(pid, won, 5.0, default, 11.5, 1, 1, 2)
-    (e,) = [e for e in build_tables(store)["gpus"]["h100-sxm"]["rmsnorm"]
-            if e["dims"]["dim"] == 256]
+    # a default not re-timed (the winner row has no median of it): its stored timing's
+    e = point(2048, spreads, won, 6.2, None)
+    assert (e["default_p20_us"], e["default_us"], e["default_p80_us"]) == (9.0, 10.0, 11.0), e
+    assert e["marginal"] is False
+    # stored timings without percentiles (a database of an older fusetune)
+    e = point(4096, {config_key(won): (None, 6.0), config_key(default): (None, 10.0)}, won,
+              5.0, 11.5)
     assert (e["time_us"], e["default_us"], e["marginal"]) == (5.0, 11.5, False), e
     assert not {"p20_us", "p80_us", "default_p20_us", "default_p80_us"} & set(e), e
 
