@@ -852,3 +852,17 @@ def test_config_text_leaves_out_flags_at_their_default() -> None:
     rms = {"BLOCK_D": 4096, "ROWS": 1, "num_warps": 8, "num_stages": 1}
     assert cli._config_str(rms, "rmsnorm") == "BLOCK_D=4096 ROWS=1 num_warps=8 num_stages=1"
     assert cli._config_str(None, "ffn") == "-"
+
+
+def test_python_m_fusetune_is_the_command(tmp_path: Path) -> None:
+    # Where the console script is not installed (the package on PYTHONPATH only), `python -m
+    # fusetune` runs the same command; imported again (as the search's spawned processes import
+    # the main module), it runs nothing.
+    proc = subprocess.run([sys.executable, "-m", "fusetune", "gpus"], env=interp_env(),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "h100-sxm" in proc.stdout, proc.stdout
+    proc = subprocess.run([sys.executable, "-c", "import runpy; runpy.run_module("
+                           "'fusetune.__main__', run_name='__mp_main__')"], env=interp_env(),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert (proc.returncode, proc.stdout) == (0, ""), proc.stderr
