@@ -508,7 +508,9 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
                          f"| failed: {why} |")
             continue
         t, d = median3(e.times["entry"])[1], median3(e.times["default"])[1]
-        shown = f"{v} (the lookup runs the default)" if e.marginal and v == "slower" else v
+        shown = (f"{v} (the lookup runs the default)" if e.marginal and v == "slower" else
+                 f"{v} (marginal: the lookup runs the default; search it again)"
+                 if e.marginal and v == "faster" else v)
         b = best(e)
         unf, comp = b.get("unfused"), b.get("compile")
         ratio = served_us(e) / min(b.values())
@@ -529,10 +531,17 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
     # A marginal entry's winner never runs (the lookup serves the default there): slower, it
     # costs nothing. What fails the run: an entry the lookup serves that loses, or fails.
     served_slower = sum(verdict(e) == "slower" and not e.marginal for e in todo)
+    # A marginal entry whose winner runs faster than the default beyond the spread here: the
+    # search's timings judged it a tie, this run does not (a flag to look at, not a failure).
+    unserved = sum(verdict(e) == "faster" and e.marginal for e in todo)
     lines += ["", f"{served_slower} entries the lookup serves are slower than the default; "
               f"{total['failed']} failed. Served against the best of the fused configs timed, "
               f"the unfused form and torch.compile (served / best): at most {worst:.3f}; "
               f"{within} of {ratios} within {WITHIN}."]
+    if unserved:
+        lines.append(f"{unserved} marginal entries' winners ran faster than the default here, "
+                     "which the lookup runs there: search them again (`fusetune search "
+                     "--points` a table of them) to have the winner served.")
     text = "\n".join(lines)
     print(text)
     if markdown:

@@ -89,6 +89,25 @@ def test_verdicts_and_exit_status() -> None:
     assert bench_tables.report([failed], gpu, ["cpu"], None, None) == 1
 
 
+def test_a_marginal_entry_whose_winner_ran_faster_is_pointed_out(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # The search judged the winner a tie with the default (marginal: the default runs); a run
+    # that times it faster beyond the spread says so, and that a new search would serve it.
+    e = bench_tables.Entry("rmsnorm", (("dim", 64),), "float32", 4, "", "", {}, True,
+                           measured=True)
+    e.times = {"entry": [(9.0, 10.0, 11.0)] * 3, "default": [(12.0, 13.0, 14.0)] * 3}
+    tie = bench_tables.Entry("rmsnorm", (("dim", 128),), "float32", 4, "", "", {}, True,
+                             measured=True)
+    tie.times = {"entry": [(9.0, 10.0, 11.0)] * 3, "default": [(9.5, 10.5, 11.5)] * 3}
+    gpu = gpus.resolve("interpreter")
+    assert bench_tables.report([e, tie], gpu, ["cpu"], None, None) == 0
+    out = capsys.readouterr().out
+    assert "faster (marginal: the lookup runs the default; search it again)" in out
+    assert "1 marginal entries' winners ran faster than the default here" in out
+    bench_tables.report([tie], gpu, ["cpu"], None, None)
+    assert "marginal entries' winners ran faster" not in capsys.readouterr().out
+
+
 def test_the_run_on_the_interpreter(interp: None, tmp_path: Path,
                                     monkeypatch: pytest.MonkeyPatch,
                                     capsys: pytest.CaptureFixture[str]) -> None:
