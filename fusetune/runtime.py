@@ -157,6 +157,17 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _dims_values_problem(spec: KernelSpec, dims: Mapping[str, Any]) -> str | None:
+    """What is wrong with the values of `dims` (named as spec's kernel names them) as a
+    lookup's or a table entry's: not a non-negative integer (a size may be 0 here), or not a
+    value the kernel takes (KernelSpec.choices_problem); None where nothing is."""
+    for k, v in dims.items():
+        if not _is_int(v) or v < 0:
+            return f"dims.{k}={v!r} must be a non-negative integer"
+    problem = spec.choices_problem(dims)
+    return None if problem is None else f"dims: {problem}"
+
+
 def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str
            ) -> tuple[GroupKey, int, Config, EntryInfo]:
     if not isinstance(raw, Mapping):
@@ -171,12 +182,9 @@ def _entry(raw: Any, where: str, spec: KernelSpec, gpu: str
     dims = raw["dims"]
     if not isinstance(dims, Mapping) or not spec.dims_named(dims):
         raise TableError(f"{where}: dims must be a mapping of {spec.dims_text}, got {dims!r}")
-    for k, v in dims.items():
-        if not _is_int(v) or v < 0:
-            raise TableError(f"{where}: dims.{k}={v!r} must be a non-negative integer")
-    problem = spec.choices_problem(dims)
+    problem = _dims_values_problem(spec, dims)
     if problem is not None:
-        raise TableError(f"{where}: dims: {problem}")
+        raise TableError(f"{where}: {problem}")
     if raw["dtype"] not in spec.dtypes:
         raise TableError(f"{where}: dtype {raw['dtype']!r} is not one of "
                          f"{', '.join(spec.dtypes)}")
@@ -806,12 +814,9 @@ def _check_dims(spec: KernelSpec, dims: Mapping[str, int]) -> None:
                  for what, ks in (("missing", missing), ("unknown", unknown)) if ks]
         raise ValueError(f"{spec.name}: {', '.join(parts)}; {spec.name}'s dims are "
                          f"{spec.dims_text}")
-    for k, v in dims.items():
-        if not _is_int(v) or v < 0:
-            raise ValueError(f"{spec.name}: dims.{k}={v!r} must be a non-negative integer")
-    problem = spec.choices_problem(dims)
+    problem = _dims_values_problem(spec, dims)
     if problem is not None:
-        raise ValueError(f"{spec.name}: dims: {problem}")
+        raise ValueError(f"{spec.name}: {problem}")
 
 
 def _query(spec: KernelSpec, dims: Mapping[str, int], dtype: str, rows: int, weights: str,
