@@ -208,8 +208,8 @@ def chained(fns: list[Any]) -> Any:
 def make_case(rows: int, dims: dict[str, int], dtype: str, weights: str,
               gpu: Any, impls: Sequence[str] = IMPLS, layers: int = 1) -> dict[str, Any]:
     """A case of `layers` layers (each its own weights and routing, seeded by its index),
-    each implementation's call running them all; its floor's bytes those of every layer's
-    routed experts."""
+    each implementation's call running them all; its floor's bytes those of a layer's routed
+    experts (the layers' mean)."""
     point = Point.make("moe", dims, 1, rows, dtype, weights)
     tuned_cfg = fusetune.lookup("moe", dims, dtype, rows=rows, weights=weights)
     default_cfg = SPEC.canonical(SPEC.default_config(point, gpu), point)
@@ -222,7 +222,7 @@ def make_case(rows: int, dims: dict[str, int], dtype: str, weights: str,
         errs.append(err)
         used.append(n)
     elt = fp8.operand_bytes(point)[1]
-    weight_bytes = sum(used) * 3 * dims["hidden"] * dims["dim"] * elt
+    weight_bytes = sum(used) / layers * 3 * dims["hidden"] * dims["dim"] * elt
     label = (f"T={rows} ({used[0]} experts used)" if layers == 1 else
              f"T={rows} ({sum(used) / layers:.1f} experts used a layer)")
     return {"label": label, "dtype": dtype + (f", {weights}" if weights else ""),
@@ -264,8 +264,6 @@ def main(argv: list[str] | None = None) -> int:
     n = args.layers  # every figure per layer
     medians = [{k: None if v is None else v / n for k, v in t.items()} for t in totals]
     host = {k: v / n for k, v in host_totals.items()}
-    for case in cases:
-        case["weight_bytes"] /= n
     bw = copy_tbs()
     per_layer = "" if n == 1 else f"; per layer, {n} layers' calls back to back in one graph"
     head = heading(gpu, f"{args.model} experts {dims}; weights floor: the routed experts' "
