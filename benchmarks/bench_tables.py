@@ -21,9 +21,12 @@ is slower than the default, or a config fails. Configs compile first in parallel
 a spawned process, with --devices one per GPU (the entries shared out over several GPUs of one
 model; an entry and its default always on the same GPU): a process that dies (an illegal
 memory access, a crash of the compiler or the driver) fails the entry it was on, with that
-reason, and a new process goes on with the rest. Ctrl-C or SIGTERM (`timeout`'s signal, a job
-scheduler's stop) stops the timing: the entries measured so far are reported, the rest counted
-as not measured; `--resume` with that run's --json measures only the rest and reports all.
+reason, and a new process goes on with the rest. --search-again FILE writes the entries a new
+search could serve faster (a config it times ran more than 2% faster than the served one, a
+marginal entry's faster winner, a failed config) as points for `fusetune search --points`.
+Ctrl-C or SIGTERM (`timeout`'s signal, a job scheduler's stop) stops the timing: the entries
+measured so far are reported, the rest counted as not measured; `--resume` with that run's
+--json measures only the rest and reports all.
 
 `--device cpu` runs the flow on Triton's interpreter (the interpreter's tables, small dims;
 timings meaningless).
@@ -298,6 +301,49 @@ def served_us(e: Entry) -> float:
     return median3(e.times["default" if e.marginal else "entry"])[1]
 
 
+def search_again(e: Entry) -> str | None:
+    """Why a new search of the entry's point could serve it faster, or None: its config
+    failed here; a config the search times (the entry's, the default's, the unfused form)
+    ran more than WITHIN faster than what the lookup serves; or the entry is marginal and its
+    winner ran faster than the default beyond the spread. torch.compile is no candidate of a
+    search, so it counts for none of these."""
+    if not e.measured:
+        return None
+    if "entry" in e.failed:
+        return f"failed: {e.failed['entry']}"
+    if e.failed:
+        return None
+    b = best(e)
+    candidates = [b[k] for k in ("fused", "unfused") if k in b]
+    ratio = served_us(e) / min(candidates) if candidates else 1.0
+    if ratio > WITHIN:
+        return f"served {ratio:.3f}× the fastest config timed"
+    if e.marginal and verdict(e) == "faster":
+        return "marginal, its winner faster than the default"
+    return None
+
+
+def write_points(path: str, todo: list[Entry]) -> int:
+    """The entries search_again picks, as a `points:` file for `fusetune search --points`
+    (each with its reason as a comment); how many."""
+    import yaml
+
+    picked = [(e, why) for e in todo if (why := search_again(e))]
+    lines = ["# bench_tables: entries a new search could serve faster "
+             "(fusetune search -k all --points THIS_FILE --gpu G)", "points:"]
+    for e, why in picked:
+        point = {"kernel": e.kernel, "dims": dict(e.dims), "rows": e.rows, "dtype": e.dtype}
+        point.update({k: v for k, v in (("weights", e.weights),
+                                        ("activations", e.activations)) if v})
+        flow = yaml.safe_dump(point, default_flow_style=True, sort_keys=False,
+                              width=1 << 16).strip()  # one line, its reason beside it
+        lines.append(f"- {flow}  # " + " ".join(why.split()))  # a comment: one line
+    if not picked:
+        lines[-1] = "points: []"
+    Path(path).write_text("\n".join(lines) + "\n")
+    return len(picked)
+
+
 def verdict(e: Entry) -> str:
     if not e.measured:
         return "not measured"
@@ -478,7 +524,7 @@ def measure_devices(todo: list[Entry], backend: str, devices: list[str], rounds:
 
 
 def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None,
-           json_path: str | None) -> int:
+           json_path: str | None, again_path: str | None = None) -> int:
     import torch
     import triton
 
@@ -541,7 +587,13 @@ def report(todo: list[Entry], gpu: Any, devices: list[str], markdown: str | None
     if unserved:
         lines.append(f"{unserved} marginal entries' winners ran faster than the default here, "
                      "which the lookup runs there: search them again (`fusetune search "
-                     "--points` a table of them) to have the winner served.")
+                     "--points`; --search-again FILE writes them) to have the winner served.")
+    if again_path:
+        n = write_points(again_path, todo)
+        lines.append(f"{n} entries a new search could serve faster (a config it times beat the "
+                     f"served one by more than {WITHIN}×, a marginal entry's faster winner, a "
+                     f"failed config) written to {again_path}: `fusetune search -k all "
+                     f"--points {again_path} --gpu {gpu.name}`, then `fusetune export --update`.")
     text = "\n".join(lines)
     print(text)
     if markdown:
@@ -630,6 +682,11 @@ def main() -> int:
                                       "current device)")
     ap.add_argument("--markdown", help="write the table here too")
     ap.add_argument("--json", help="write every entry's timings here")
+    ap.add_argument("--search-again", metavar="FILE",
+                    help="write the entries a new search could serve faster here, as a points "
+                         "file for `fusetune search --points` (a config the search times beat "
+                         f"the served one by more than {WITHIN}×, a marginal entry's winner "
+                         "ran faster than the default, or the entry's config failed)")
     ap.add_argument("--resume", metavar="JSON",
                     help="an earlier run's --json (may be --json's own file; none yet: "
                          "all measured): its measured entries are kept, the rest measured, "
@@ -698,7 +755,7 @@ def main() -> int:
         print("interrupted while compiling: nothing measured", file=sys.stderr)
         return 130
     complete = not left or measure_devices(left, backend, devices, args.rounds, args.rep_ms)
-    status = report(todo, gpu, devices, args.markdown, args.json)
+    status = report(todo, gpu, devices, args.markdown, args.json, args.search_again)
     if not complete:
         print(f"interrupted: {sum(not e.measured for e in todo)} of {len(todo)} entries not "
               "measured", file=sys.stderr)

@@ -108,6 +108,49 @@ def test_a_marginal_entry_whose_winner_ran_faster_is_pointed_out(
     assert "marginal entries' winners ran faster" not in capsys.readouterr().out
 
 
+def test_search_again_writes_the_entries_a_new_search_could_serve_faster(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fusetune.tuner.point_file import load_points
+
+    def entry(dims: dict[str, int], entry_us: float, default_us: float, marginal: bool = False,
+              kernel: str = "linear", **times: list[tuple[float, float, float]]
+              ) -> bench_tables.Entry:
+        e = bench_tables.Entry(kernel, tuple(sorted(dims.items())), "float32", 4, "", "", {},
+                               marginal, measured=True)
+        e.times = {"entry": [(entry_us - 0.2, entry_us, entry_us + 0.2)] * 3,
+                   "default": [(default_us - 0.2, default_us, default_us + 0.2)] * 3, **times}
+        return e
+
+    dims = [{**LINEAR_DIMS, "out": n} for n in (32, 48, 64, 80, 96)]
+    served = entry(dims[0], 10.0, 13.0)  # the fastest thing timed: nothing to gain
+    tie = entry(dims[1], 10.0, 13.0, marginal=True)  # the default runs, the winner is faster
+    beaten = entry(dims[2], 10.0, 13.0, unfused=[(9.5, 9.6, 9.7)] * 3)  # unfused 4% faster
+    failed = entry(dims[3], 10.0, 13.0)
+    failed.failed = {"entry": "wrong_result: relative error 3e-01\n> 1e-02"}
+    compiled = entry(dims[4], 10.0, 13.0)
+    compiled.compile_us = [8.0]  # torch.compile is faster, but no config a search times is
+    unmeasured = bench_tables.Entry("rmsnorm", (("dim", 64),), "float32", 4, "", "", {}, False)
+    todo = [served, tie, beaten, failed, compiled, unmeasured]
+    assert [bench_tables.search_again(e) is not None for e in todo] == [
+        False, True, True, True, False, False]
+    path = tmp_path / "again.yaml"
+    gpu = gpus.resolve("interpreter")
+    bench_tables.report(todo, gpu, ["cpu"], None, None, str(path))
+    assert "3 entries a new search could serve faster" in capsys.readouterr().out
+    text = path.read_text()
+    assert "# served 1.042× the fastest config timed" in text
+    assert "# failed: wrong_result: relative error 3e-01 > 1e-02" in text
+    # what fusetune search --points reads: the three points, as the entries' keys
+    groups = load_points(path, "interpreter")
+    assert {spec.name for spec, _ in groups} == {"linear"}
+    points = [p for _, ps in groups for p in ps]
+    assert sorted(dict(p.dims)["out"] for p in points) == [48, 64, 80]
+    assert {(p.batch, p.seq, p.dtype, p.weights) for p in points} == {(4, 1, "float32", "")}
+    # none to search again: an empty list, which a search refuses with a message
+    bench_tables.write_points(str(path), [served])
+    assert yaml.safe_load(path.read_text()) == {"points": []}
+
+
 def test_the_run_on_the_interpreter(interp: None, tmp_path: Path,
                                     monkeypatch: pytest.MonkeyPatch,
                                     capsys: pytest.CaptureFixture[str]) -> None:
