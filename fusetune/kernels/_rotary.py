@@ -39,6 +39,7 @@ from fusetune.spec import (
 )
 
 DIM_NAMES = ("head_dim", "heads", "interleaved")
+CONFIG_KEYS = ("BLOCK_T", "BLOCK_H", "num_warps")
 # How the rotated columns pair up (the dim `interleaved`), for messages.
 PAIRING = {0: "half-split pairs (i, i + head_dim/2)", 1: "interleaved pairs (2i, 2i + 1)"}
 
@@ -47,7 +48,6 @@ def head_dim_problem(dims: Mapping[str, int]) -> str | None:
     """KernelSpec.check_dims of the kernels that rotate a head's columns in pairs."""
     hd = dims["head_dim"]
     return None if hd % 2 == 0 else f"head_dim={hd} must be even (RoPE rotates column pairs)"
-CONFIG_KEYS = ("BLOCK_T", "BLOCK_H", "num_warps")
 
 
 @triton.jit
