@@ -77,6 +77,13 @@ class GpuSpec:
         accelerator: compute capability 9.0+; the CPU interpreter emulates it)."""
         return self.compute_capability >= (9, 0) or self.name == "interpreter"
 
+    @property
+    def pdl(self) -> bool:
+        """Whether a launch can be a programmatic dependent of the one before it (griddepcontrol:
+        compute capability 9.0+; under the CPU interpreter the launches run one after the
+        other, which is what such a launch waits for anyway)."""
+        return self.compute_capability >= (9, 0) or self.name == "interpreter"
+
 
 @dataclass(frozen=True)
 class VisibleGpu:

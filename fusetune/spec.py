@@ -141,6 +141,7 @@ class Resources:
     threads: int
     fp8_mma: bool = False  # FP8 activations: need Triton's FP8 types and FP8 tensor cores
     tma: bool = False  # tiles read through TMA descriptors: needs compute capability 9.0+
+    pdl: bool = False  # a programmatic dependent launch (griddepcontrol): compute capability 9.0+
     unfit: str = ""  # why the config's structure cannot serve the point at all ("name: ...")
     # Of regs_per_thread, values used once a step that the compiler may keep in local memory
     # (served by the L1) where the registers run out: they count only up to what a block's
@@ -497,7 +498,7 @@ class KernelSpec:
 def check_fits(res: Resources, gpu: GpuSpec) -> str | None:
     """Why a config cannot run well on `gpu` (None if it fits), from the predicted resources.
 
-    The reason starts with the limit's name (fp8-tensor-cores, tma, threads, shared-memory,
+    The reason starts with the limit's name (fp8-tensor-cores, tma, pdl, threads, shared-memory,
     registers) for counting.
     """
     if res.unfit:
@@ -510,6 +511,10 @@ def check_fits(res: Resources, gpu: GpuSpec) -> str | None:
         major, minor = gpu.compute_capability
         return (f"tma: TMA=1 needs TMA descriptors (compute capability 9.0+), {gpu.name} has "
                 f"{major}.{minor}")
+    if res.pdl and not gpu.pdl:
+        major, minor = gpu.compute_capability
+        return (f"pdl: PDL=1 needs programmatic dependent launch (compute capability 9.0+), "
+                f"{gpu.name} has {major}.{minor}")
     if res.threads > gpu.max_threads_per_block:
         return f"threads: {res.threads} > {gpu.max_threads_per_block} per block"
     if res.smem_bytes > gpu.smem_per_block:

@@ -41,7 +41,10 @@ structure), BLOCK_N, BLOCK_K, num_warps, num_stages, shared by the grouped struc
 launches; in the per-pair structure DOWN_N, DOWN_K and DOWN_WARPS are launch 2's own column
 tile, K-step and warps (0: launch 1's), since its programs differ in kind (one per token and
 column block, top_k weight tiles each, against one per pair and column block: at a few tokens
-top_k times fewer programs with top_k times the loads); UNFUSED.
+top_k times fewer programs with top_k times the loads); PDL = 1 (per-pair, compute capability
+9.0+) launches launch 2 as launch 1's programmatic dependent: its programs are scheduled while
+launch 1's last ones run and load their first weight tile before waiting for launch 1's writes,
+which at decode hides part of the gap between the two launches; UNFUSED.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ from fusetune.spec import (
 )
 
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "UNFUSED",
-               "DOWN_N", "DOWN_K", "DOWN_WARPS")
+               "DOWN_N", "DOWN_K", "DOWN_WARPS", "PDL")
 # The per-pair structure's launch 2 keys, each 0 where it takes launch 1's value.
 DOWN_KEYS = {"DOWN_N": "BLOCK_N", "DOWN_K": "BLOCK_K", "DOWN_WARPS": "num_warps"}
 # The tokens a server hands one layer (`search`'s rows where none are given): decode batches
@@ -96,7 +99,7 @@ SERVER_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Every other key of an UNFUSED config means nothing: its one canonical config.
 _UNFUSED_CONFIG: Config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4,
                            "num_stages": 2, "UNFUSED": 1, "DOWN_N": 0, "DOWN_K": 0,
-                           "DOWN_WARPS": 0}
+                           "DOWN_WARPS": 0, "PDL": 0}
 
 
 @triton.jit
@@ -181,9 +184,14 @@ def _pair_gemv_kernel(
     W_FP8: tl.constexpr,  # how the weight tiles are read (fp8.W_*, _matmul.gemv_weight)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GDC: tl.constexpr,  # launch 2 is this launch's programmatic dependent (PDL)
 ):
     # Launch 1 of the per-pair structure: program (pair, 0, column block) computes
     # silu(x[token] · gate[e]ᵀ) ⊙ (x[token] · up[e]ᵀ) for BLOCK_N columns of hidden.
+    if GDC:
+        # Launch 2's programs may be scheduled once every program of this launch has started
+        # (they wait for its writes themselves, _token_gemv_kernel's gdc_wait).
+        tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
     # (grid axis 1 is the GEMV loop's split-K slice, _matmul.k_slice: one slice here)
     rn = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -223,6 +231,8 @@ def _token_gemv_kernel(
     W_FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # the first K-step's weights are loaded before launch 1's writes are read
+    GDC: tl.constexpr,  # launched as launch 1's programmatic dependent: wait for it (PDL)
 ):
     # Launch 2 of the per-pair structure: program (token, 0, column block) computes
     # Σ_j w[j] · inter[pair j] · down[e_j]ᵀ for BLOCK_N columns of dim, the token's TOP_K pairs
@@ -245,7 +255,23 @@ def _token_gemv_kernel(
               + rk[None, :, None])
     w_ok = e_ok[:, None, None] & n_ok[None, None, :]
     acc = tl.zeros([J, BLOCK_K, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if PDL:
+        # The first K-step peeled: its weight tile (and the ids above), which launch 1 does not
+        # write, load while launch 1 finishes; the intermediate only after gdc_wait, from which
+        # on launch 1's writes are complete and visible. The same products in the same order
+        # as the loop's: the result does not depend on PDL.
+        k_ok = rk < K
+        w = gemv_weight(tl.load(w_ptrs, mask=w_ok & k_ok[None, :, None], other=0.0,
+                                eviction_policy="evict_first"), W_FP8)
+        if GDC:  # (without it, as under the interpreter, launch 1 has finished already)
+            tl.extra.cuda.gdc_wait()
+        a = tl.load(a_ptrs, mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * a[:, :, None]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         k_ok = rk < K - k0  # the last K-step may be partial: masked lanes read 0
         a = tl.load(a_ptrs, mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = gemv_weight(tl.load(w_ptrs, mask=w_ok & k_ok[None, :, None], other=0.0,
@@ -405,7 +431,9 @@ def _launch_per_pair(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     w1, w_fp8 = fp8.weight_operand(gate_up, False, gemv=True)
     w2, _ = fp8.weight_operand(down, False, gemv=True)
     tile2 = _down_tile(config)
-    meta = dict(TOP_K=k, W_FP8=w_fp8, num_stages=config["num_stages"])
+    pdl = bool(config.get("PDL"))
+    gdc = pdl and has_gdc(x.device)
+    meta = dict(TOP_K=k, W_FP8=w_fp8, num_stages=config["num_stages"], GDC=gdc)
     s1 = topk_weights if gate_up_scale is None else gate_up_scale  # (not read unless scaled)
     s2 = topk_weights if down_scale is None else down_scale
     direct(_pair_gemv_kernel)[(t * k, 1, cdiv(h, config["BLOCK_N"]))](
@@ -418,7 +446,23 @@ def _launch_per_pair(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         inter, w2, out, topk_ids, topk_weights, s2, d, h, e,
         inter.stride(0), down.stride(0), down.stride(1), out.stride(0),
         0 if down_scale is None else down_scale.stride(0),
-        J=triton.next_power_of_2(k), W_SCALED=down_scale is not None, **tile2, **meta)
+        J=triton.next_power_of_2(k), W_SCALED=down_scale is not None, PDL=pdl, **tile2,
+        **meta, **({"launch_pdl": True} if gdc else {}))
+
+
+_gdc: dict[int, bool] = {}
+
+
+def has_gdc(device: torch.device) -> bool:
+    """Whether launches on `device` can be programmatic dependents of the launch before them
+    (griddepcontrol: compute capability 9.0+; not under Triton's interpreter, which runs the
+    launches one after the other anyway)."""
+    if interpreting() or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _gdc:
+        _gdc[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _gdc[index]
 
 
 def _down_tile(config: Config) -> dict[str, int]:
@@ -617,13 +661,20 @@ def _default_config(point: Point, gpu: GpuSpec) -> Config:
     dm = point.dim
     pairs_per_expert = point.rows * dm["top_k"] / max(1, dm["experts"])
     if pairs_per_expert <= 1:  # at most about one pair an expert: the per-pair structure
-        # launch 2's [top_k, BLOCK_K, BLOCK_N] tiles kept at 8192 elements (registers)
-        bk = max(32, min(256, 8192 // (16 * next_pow2(dm["top_k"]))))
-        return {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": bk, "num_warps": 4, "num_stages": 1,
-                "UNFUSED": 0, **dict.fromkeys(DOWN_KEYS, 0)}
+        # Long K-steps of 8 warps stream the weights best; launch 2 takes 4 columns a program
+        # (it holds top_k weight tiles) and K-steps that keep its [top_k, DOWN_K, 4] tiles at
+        # 8192 elements (registers); its programs start during launch 1's tail where the GPU
+        # can (PDL).
+        dk = max(32, min(512, 8192 // (4 * next_pow2(dm["top_k"]))))
+        c = {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8, "num_stages": 1,
+             "UNFUSED": 0, "DOWN_N": 4, "DOWN_K": dk, "DOWN_WARPS": 0, "PDL": int(gpu.pdl)}
+        while c["BLOCK_K"] > 32 and check_fits(_resources(c, point), gpu) is not None:
+            c["BLOCK_K"] //= 2
+            c["DOWN_K"] = max(32, c["DOWN_K"] // 2)
+        return c
     bm = 16 if pairs_per_expert <= 16 else 32 if pairs_per_expert <= 64 else 64
     c = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3,
-         "UNFUSED": 0, **dict.fromkeys(DOWN_KEYS, 0)}
+         "UNFUSED": 0, **dict.fromkeys(DOWN_KEYS, 0), "PDL": 0}
     # At decode only the routed experts' blocks work: narrower column tiles until the launch
     # with fewer columns has about two programs per SM, each streaming its rows of the
     # weights, with longer K-steps for the narrower tiles.
@@ -658,6 +709,8 @@ def _canonical(config: Config, point: Point) -> Config:
         # launches share their tile
         if c.get(down) == c[key] or c["BLOCK_M"] != 1:
             c[down] = 0
+    if c["BLOCK_M"] != 1:  # the grouped structure's launches are no programmatic dependents
+        c["PDL"] = 0
     return c
 
 
@@ -674,7 +727,7 @@ def _resources(config: Config, point: Point) -> Resources:
         two = gemv_resources(_down_tile(config), 1, w_elt, next_pow2(dm["top_k"]))
         res = Resources(smem_bytes=max(one.smem_bytes, two.smem_bytes),
                         regs_per_thread=max(one.regs_per_thread, two.regs_per_thread),
-                        threads=max(one.threads, two.threads))
+                        threads=max(one.threads, two.threads), pdl=bool(config.get("PDL")))
         if point.rows * dm["top_k"] > PER_PAIR_MAX * dm["experts"]:
             res = dataclasses.replace(res, unfit=(
                 f"structure: BLOCK_M=1 (a program per pair) reads an expert's weights once for "
@@ -742,7 +795,7 @@ SPEC = KernelSpec(
     dims_from_model=_dims_from_model,
     weight_formats=WEIGHT_FORMATS,
     source_objects=(_experts_kernel, _pair_gemv_kernel, _token_gemv_kernel, _rank_kernel,
-                    _place_kernel, group_pairs, _launch_2d, _launch_per_pair, _down_tile,
+                    _place_kernel, group_pairs, _launch_2d, _launch_per_pair, _down_tile, has_gdc,
                     _launch_unfused, _experts_upcast, dot, gemv_two_products, k_slice,
                     gemv_weight, fp8_as_f16, fp8.weight_operand, _unfused._upcast,
                     _unfused._upcast_kernel),
@@ -750,10 +803,10 @@ SPEC = KernelSpec(
                        _unfused._upcast_kernel),
     structure_sources=(
         (_runs_per_pair, (_pair_gemv_kernel, _token_gemv_kernel, _launch_per_pair, _down_tile,
-                          gemv_two_products, k_slice, gemv_weight)),
+                          has_gdc, gemv_two_products, k_slice, gemv_weight)),
         (_runs_grouped, (_experts_kernel, _rank_kernel, _place_kernel, group_pairs, dot)),
     ),
-    flags={"UNFUSED": 0},
+    flags={"UNFUSED": 0, "PDL": 0},
     same_as=DOWN_KEYS,
     algorithm_keys=("UNFUSED",),
     unfused_form="torch._grouped_mm, SiLU·mul, torch._grouped_mm, weighted sum",

@@ -13,7 +13,7 @@ from triton_run import genuine_triton_run
 import fusetune
 from fusetune import gpus
 from fusetune.kernels import moe as moe_mod
-from fusetune.spec import ConfigError, Point
+from fusetune.spec import ConfigError, Point, check_fits
 from fusetune.tuner.bench import Evaluator
 
 SPEC = moe_mod.SPEC
@@ -27,6 +27,9 @@ CONFIGS = {
     # of 16 (40 = 2.5), 4 warps
     "per pair, own down tile": {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2,
                                 "num_stages": 1, "DOWN_N": 8, "DOWN_K": 16, "DOWN_WARPS": 4},
+    # launch 2 a programmatic dependent of launch 1 (its first K-step peeled: 40 = 16 + 16 + 8)
+    "per pair, PDL": {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2,
+                      "num_stages": 1, "DOWN_N": 8, "DOWN_K": 16, "DOWN_WARPS": 4, "PDL": 1},
     "unfused": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2,
                 "UNFUSED": 1},
 }
@@ -47,7 +50,8 @@ def test_configs_pass_the_tuners_check(tokens: int, experts: int, top_k: int,
     assert out.rel_err is not None and out.rel_err <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["decode tile", "per pair", "per pair, own down tile", "unfused"])
+@pytest.mark.parametrize("name", ["decode tile", "per pair", "per pair, own down tile",
+                                  "per pair, PDL", "unfused"])
 def test_awkward_routing(name: str) -> None:
     # an expert no token chose, one token routed to every expert of its top-k, repeated
     # experts across tokens, bfloat16
@@ -153,6 +157,69 @@ def test_per_pair_structure_is_for_decode() -> None:
     assert SPEC.default_config(point(17), h200)["BLOCK_M"] == 16
 
 
+def _pdl_inputs(device: str, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(tokens, 72, device=device, generator=g).to(dtype)
+    gate_up = (torch.randn(6, 80, 72, device=device, generator=g) / 8).to(dtype)
+    down = (torch.randn(6, 72, 40, device=device, generator=g) / 6).to(dtype)
+    w, ids = torch.softmax(torch.randn(tokens, 6, device=device, generator=g), -1).topk(3, -1)
+    return x, gate_up, down, ids, w.to(dtype)
+
+
+def test_pdl_changes_no_bit() -> None:
+    # PDL=1 peels launch 2's first K-step and, on a GPU, waits for launch 1 there: the same
+    # products in the same order, so the same bits as PDL=0
+    args = _pdl_inputs("cpu", 5, torch.bfloat16)
+    with_pdl = CONFIGS["per pair, PDL"]
+    without = with_pdl | {"PDL": 0}
+    got = fusetune.moe(*args, config=with_pdl)
+    assert torch.equal(got, fusetune.moe(*args, config=without))
+    assert not got.isnan().any()
+
+
+def test_pdl_is_for_the_per_pair_structure_on_gpus_that_have_it() -> None:
+    point = Point.make("moe", {"dim": 2048, "experts": 128, "hidden": 768, "top_k": 8}, 1, 1,
+                       "bfloat16")
+    per_pair = SPEC.validate_config(CONFIGS["per pair, PDL"])
+    grouped = SPEC.validate_config(CONFIGS["decode tile"] | {"PDL": 1})
+    assert SPEC.canonical(grouped, point)["PDL"] == 0  # the grouped launches are no dependents
+    assert SPEC.canonical(per_pair, point)["PDL"] == 1
+    assert SPEC.validate_config(CONFIGS["per pair"])["PDL"] == 0  # a config leaving it out
+    res = SPEC.resources(per_pair, point)
+    assert check_fits(res, gpus.resolve("h200")) is None
+    assert check_fits(res, gpus.resolve("interpreter")) is None
+    reason = check_fits(res, gpus.resolve("a100"))
+    assert reason is not None and reason.startswith("pdl: PDL=1 needs programmatic dependent")
+    assert "8.0" in reason
+    assert check_fits(SPEC.resources(per_pair | {"PDL": 0}, point), gpus.resolve("a100")) is None
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_launches_a_programmatic_dependent(monkeypatch: pytest.MonkeyPatch) -> None:
+    # on compute capability 9.0+ launch 2 is compiled and launched as a programmatic dependent
+    # (griddepcontrol), and its result is PDL=0's bit for bit, also in a CUDA graph
+    from fusetune.kernels._direct import direct
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    genuine_triton_run(monkeypatch)
+    with_pdl = CONFIGS["per pair, PDL"]
+    for tokens in (1, 4):
+        args = _pdl_inputs("cuda", tokens, torch.bfloat16)
+        want = fusetune.moe(*args, config=with_pdl | {"PDL": 0})
+        assert torch.equal(fusetune.moe(*args, config=with_pdl), want)
+        out = torch.empty_like(want)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(fusetune.moe(*args, config=with_pdl))
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, want)
+    dependents = [kernel.metadata.launch_pdl
+                  for kernel, _ in direct(moe_mod._token_gemv_kernel).kernels.values()]
+    assert True in dependents
+
+
 def test_default_configs_fit_the_gpus() -> None:
     for gpu in ("h100", "h200", "3090"):
         for rows in (1, 8, 256, 4096):
@@ -197,7 +264,8 @@ def test_fp8_weights_pass_the_tuners_check(weights: str) -> None:
         assert out.status == "ok", (config, out.reason)
 
 
-@pytest.mark.parametrize("name", ["decode tile", "per pair", "per pair, own down tile", "unfused"])
+@pytest.mark.parametrize("name", ["decode tile", "per pair", "per pair, own down tile",
+                                  "per pair, PDL", "unfused"])
 def test_fp8_weights_through_the_call(name: str) -> None:
     torch.manual_seed(1)
     x = torch.randn(5, 64).bfloat16()
@@ -257,7 +325,7 @@ def test_a_repeated_call_takes_the_config_it_looked_up(tmp_path: Path, fresh_tab
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["decode tile", "prefill tile", "per pair",
-                                  "per pair, own down tile", "unfused"])
+                                  "per pair, own down tile", "per pair, PDL", "unfused"])
 def test_gpu_repeated_calls_replay_the_first(name: str, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A config served from a table: moe's repeated calls (other tokens, routing and routing
