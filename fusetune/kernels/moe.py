@@ -61,6 +61,7 @@ from fusetune.kernels import _unfused, fp8
 from fusetune.kernels._call_memo import CallMemo, tensor_key
 from fusetune.kernels._direct import direct
 from fusetune.kernels._matmul import (
+    cuda_capability,
     dot,
     fp8_as_f16,
     gemv_resources,
@@ -450,9 +451,6 @@ def _launch_per_pair(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         **meta, **({"launch_pdl": True} if gdc else {}))
 
 
-_gdc: dict[int, bool] = {}
-
-
 def has_gdc(device: torch.device) -> bool:
     """Whether launches on `device` can be programmatic dependents of the launch before them
     (griddepcontrol: compute capability 9.0+; not under Triton's interpreter, which runs the
@@ -460,9 +458,7 @@ def has_gdc(device: torch.device) -> bool:
     if interpreting() or device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _gdc:
-        _gdc[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return _gdc[index]
+    return cuda_capability(index) >= (9, 0)
 
 
 def _down_tile(config: Config) -> dict[str, int]:
